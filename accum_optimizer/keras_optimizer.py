@@ -1,0 +1,540 @@
+"""`AccumulatingOptimizer`: gradient accumulation for Keras 3.
+
+Modelled on Keras 3's ``keras.optimizers.LossScaleOptimizer``
+(``keras/src/optimizers/loss_scale_optimizer.py``): a wrapper with its own
+variables plus the inner optimizer's, forwarding ``learning_rate``,
+``iterations`` and ``scale_loss``, serializing the inner optimizer in
+``get_config``, and keeping the TensorFlow-specific distribution code in one
+method (:meth:`AccumulatingOptimizer._tf_apply`). The algorithm itself lives in
+:mod:`accum_optimizer._accumulation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Mapping, Sequence
+
+import keras
+import numpy as np
+from keras import ops
+
+from accum_optimizer import _accumulation as acc_lib
+
+# Arguments of `keras.optimizers.Optimizer.__init__` that belong on the inner
+# optimizer, with their defaults (accepted when equal to the default, so that
+# configs written by generic code still load).
+_INNER_ONLY_ARGS = {
+    "learning_rate": None,
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+}
+
+
+def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
+    if isinstance(inner_optimizer, (str, dict)):
+        try:
+            inner_optimizer = keras.optimizers.get(inner_optimizer)
+        except ValueError as e:
+            raise ValueError(
+                "`inner_optimizer` could not be resolved by "
+                f"keras.optimizers.get. Received: inner_optimizer="
+                f"{inner_optimizer!r}. ({e})"
+            ) from None
+    if isinstance(inner_optimizer, AccumulatingOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already an AccumulatingOptimizer "
+            f"(gradient_accumulation_steps="
+            f"{inner_optimizer.gradient_accumulation_steps}); nesting them "
+            "would accumulate twice. Use one AccumulatingOptimizer with "
+            "gradient_accumulation_steps equal to the product."
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a Keras 3 optimizer instance "
+            "(`keras.optimizers.Optimizer`, e.g. keras.optimizers.Adam()) or "
+            "an identifier that `keras.optimizers.get` resolves (e.g. "
+            f"'adam'). Received: inner_optimizer={inner_optimizer!r} of type "
+            f"{type(inner_optimizer).__module__}.{type(inner_optimizer).__qualname__}."
+        )
+    if getattr(inner_optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            "`inner_optimizer` already uses Keras' built-in gradient "
+            "accumulation (inner_optimizer.gradient_accumulation_steps="
+            f"{inner_optimizer.gradient_accumulation_steps}); wrapping it "
+            "would accumulate twice. Create the inner optimizer without "
+            "`gradient_accumulation_steps` and pass that value to "
+            "AccumulatingOptimizer instead."
+        )
+    return inner_optimizer
+
+
+@keras.saving.register_keras_serializable(package="accum_optimizer")
+class AccumulatingOptimizer(keras.optimizers.Optimizer):
+    """Accumulate gradients over micro-batches, update once per window.
+
+    Each call to :meth:`apply` / :meth:`apply_gradients` is one *micro-step*:
+    the gradients are added into accumulator slots (one non-trainable
+    variable per trainable variable, same shape and dtype). On every
+    ``gradient_accumulation_steps``-th micro-step the inner optimizer is
+    called once with the window's gradient (the mean, or the sum, of the
+    accumulated micro-batch gradients) and the slots are zeroed. Between
+    updates the model weights and all of the inner optimizer's state
+    (slots, ``iterations``, EMA, learning-rate schedule position) are left
+    bitwise untouched, so ``N`` micro-batches of ``B`` samples train exactly
+    like one batch of ``N * B`` samples when the loss is a mean over the
+    batch.
+
+    Args:
+        inner_optimizer: a ``keras.optimizers.Optimizer`` instance, or an
+            identifier that ``keras.optimizers.get`` resolves (``"adam"``).
+            Clipping, weight decay, EMA and learning-rate schedules are set
+            on it; they act once per update, on the window's gradient, and
+            schedules see update counts.
+        gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
+            micro-steps per update. ``1`` is a pass-through to the inner
+            optimizer (no accumulator slots are created).
+        reduction: ``"mean"`` (default) applies ``sum / N``, equivalent to the
+            large batch for a mean-reduced loss; ``"sum"`` applies the sum.
+        name: optional name of the wrapper.
+
+    State (all ``keras.Variable``s, saved wherever Keras saves optimizer
+    state):
+        ``micro_steps``: int64 scalar, micro-steps taken (units: micro-steps).
+        ``iterations``: the inner optimizer's int64 counter, i.e. updates
+            taken (units: updates). After ``m`` micro-steps,
+            ``iterations == m // N`` and ``micro_steps == m``.
+        ``acc_grads``: accumulator slots, shape and dtype of each trainable
+            variable. Under ``tf.distribute`` they are ``ON_READ`` variables
+            (each replica keeps its local sum; reading them in cross-replica
+            context, as saving does, gives the sum over replicas).
+        ``grad_received``: int64 vector ``(num_trainable_variables,)``, 1
+            where a variable has had a gradient in the current window.
+
+    Missing gradients: a ``None`` gradient contributes nothing on that
+    micro-step; a variable with no gradient in the whole window is not
+    updated (neither its weight, its slots, nor its weight decay), as in
+    large-batch training. Sparse ``tf.IndexedSlices`` gradients are
+    scatter-added into the slots, never densified per micro-step.
+
+    Raises:
+        TypeError: ``inner_optimizer`` is not a Keras 3 optimizer, or
+            ``gradient_accumulation_steps`` is not an int.
+        ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
+            ``("mean", "sum")``; the inner optimizer already accumulates;
+            base-optimizer arguments (``clipnorm``, ``weight_decay``, ...) are
+            passed to the wrapper instead of the inner optimizer.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Any,
+        gradient_accumulation_steps: int,
+        reduction: str = "mean",
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        reduction = acc_lib.validate_reduction(reduction)
+        for arg, default in _INNER_ONLY_ARGS.items():
+            if arg not in kwargs:
+                continue
+            value = kwargs.pop(arg)
+            if value is not None and value != default:
+                raise ValueError(
+                    f"AccumulatingOptimizer does not take `{arg}` (received "
+                    f"{arg}={value!r}). Set it on the inner optimizer, e.g. "
+                    f"keras.optimizers.Adam({arg}=...), where it acts once "
+                    "per update on the window's gradient."
+                )
+        if kwargs:
+            raise TypeError(
+                "AccumulatingOptimizer got unexpected keyword argument(s) "
+                f"{sorted(kwargs)}. Accepted: inner_optimizer, "
+                "gradient_accumulation_steps, reduction, name."
+            )
+        inner = _resolve_inner(inner_optimizer)
+
+        super().__init__(learning_rate=0.0, name=name)
+        # The base class made its own `iterations` and `learning_rate`
+        # variables; ours forward to the inner optimizer, so keep them out of
+        # `variables` (and out of saved state).
+        self._untrack_variable(self._iterations)
+        self._untrack_variable(self._learning_rate)
+        self.inner_optimizer = inner
+        # Set after `super().__init__` so Keras' own accumulation stays off.
+        self.gradient_accumulation_steps = steps
+        self.reduction = reduction
+        self._deferred_state: dict[str, np.ndarray] | None = None
+
+    # ------------------------------------------------------------------ state
+    def build(self, var_list: Sequence[Any]) -> None:
+        """Create the accumulator slots, counters and the inner's variables.
+
+        Not run under ``no_automatic_dependency_tracking`` (unlike
+        ``LossScaleOptimizer.build``), so that variables the inner optimizer
+        creates as plain attributes (Nadam's ``_u_product``) stay tracked and
+        saved.
+        """
+        var_list = list(var_list)
+        for v in var_list:
+            if self._overwrite_variable_with_gradient(v):
+                raise ValueError(
+                    "AccumulatingOptimizer does not support variables with "
+                    f"`overwrite_with_gradient=True` (received {v.path!r}); "
+                    "these carry float8 scaling state rather than gradients."
+                )
+        # What BaseOptimizer.build does, without Keras' own accumulation.
+        self._trainable_variables_indices = {
+            self._var_key(v): i for i, v in enumerate(var_list)
+        }
+        self._trainable_variables = var_list[:]
+        with keras.name_scope(self.name, caller=self):
+            self.micro_steps = self.add_variable(
+                shape=(), dtype="int", aggregation="only_first_replica", name="micro_steps"
+            )
+            if self.gradient_accumulation_steps > 1:
+                self.grad_received = self.add_variable(
+                    shape=(len(var_list),),
+                    dtype="int",
+                    aggregation="only_first_replica",
+                    name="grad_received",
+                )
+                self.acc_grads = [self._add_accumulator(v) for v in var_list]
+            else:
+                self.grad_received = None
+                self.acc_grads = []
+        self.inner_optimizer.build(var_list)
+        self.built = True
+        if self._deferred_state is not None:
+            state, self._deferred_state = self._deferred_state, None
+            self.load_own_variables(state)
+
+    def _add_accumulator(self, reference: Any) -> Any:
+        """One slot per trainable variable: a replica-local (``ON_READ``,
+        summed on read) zero-initialised copy of its shape and dtype."""
+        name = f"{reference.path.replace('/', '_')}_acc_grad"
+        with self._colocate_with(reference):
+            variable = keras.Variable(
+                initializer=keras.initializers.Zeros(),
+                shape=reference.shape,
+                dtype=reference.dtype,
+                trainable=False,
+                aggregation="sum",
+                synchronization="on_read",
+                name=name,
+            )
+        self._track_variable(variable)
+        return variable
+
+    def _colocate_with(self, reference: Any):
+        strategy = getattr(self, "_distribution_strategy", None)
+        if strategy is None:
+            return contextlib.nullcontext()
+        return strategy.extended.colocate_vars_with(reference.value)
+
+    @property
+    def variables(self) -> list:
+        """The wrapper's variables (``micro_steps``, ``grad_received``,
+        ``acc_grads``) followed by all of the inner optimizer's."""
+        return self._variables[:] + self.inner_optimizer.variables
+
+    @property
+    def iterations(self) -> Any:
+        """Updates taken: the inner optimizer's int64 ``iterations``."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self) -> Any:
+        """The inner optimizer's learning rate (getter and setter)."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: Any) -> None:
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def scale_loss(self, loss: Any) -> Any:
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def load_own_variables(self, store: Mapping[str, Any]) -> None:
+        """Restore state saved by :meth:`save_own_variables`.
+
+        On an optimizer that is not built yet the values are kept and
+        restored by :meth:`build` (Keras itself would skip them with a
+        warning).
+
+        Raises:
+            ValueError: if the number of saved variables does not match.
+        """
+        if not self.built:
+            self._deferred_state = {k: np.asarray(store[k]) for k in store.keys()}
+            return
+        variables = self.variables
+        if len(store.keys()) != len(variables):
+            raise ValueError(
+                f"Cannot restore optimizer '{self.name}': it has "
+                f"{len(variables)} variables but the saved state has "
+                f"{len(store.keys())}. Was it saved with a different inner "
+                "optimizer, gradient_accumulation_steps or model?"
+            )
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
+
+    # ------------------------------------------------------------ micro-step
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self.iterations
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables)
+        return self.iterations
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        """Take one micro-step with ``grads`` for ``trainable_variables``.
+
+        ``grads[i]`` is the gradient of the micro-batch loss for
+        ``trainable_variables[i]`` (a dense tensor of the variable's shape, a
+        ``tf.IndexedSlices``, or ``None``). Without ``trainable_variables``
+        the gradients must match the variables the optimizer was built with.
+
+        Raises:
+            ValueError: lengths differ; a gradient's shape differs from its
+                variable's; every gradient is ``None``; a variable is unknown.
+        """
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "AccumulatingOptimizer.apply(grads) without "
+                    "`trainable_variables` needs a built optimizer; call "
+                    "`optimizer.build(trainable_variables)` first."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                "`grads` and `trainable_variables` must have the same length. "
+                f"Received {len(grads)} gradients for "
+                f"{len(trainable_variables)} variables."
+            )
+        if not grads:
+            return
+        _check_gradient_shapes(grads, trainable_variables)
+        if all(g is None for g in grads):
+            names = [v.path for v in trainable_variables]
+            raise ValueError(f"No gradients provided for any variable: {names}.")
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        self._check_variables_are_known(trainable_variables)
+
+        if self.gradient_accumulation_steps == 1:
+            self.inner_optimizer.apply(grads, trainable_variables)
+            self.assign_add(self.micro_steps, 1)
+            return
+        # Put the gradients in build order; variables absent from this call
+        # get None (no contribution this micro-step).
+        full = [None] * len(self._trainable_variables)
+        for g, v in zip(grads, trainable_variables):
+            full[self._get_variable_index(v)] = g
+        if keras.backend.backend() == "tensorflow":
+            self._tf_apply(full)
+        else:
+            self._common_apply(full)
+
+    def _common_apply(self, grads: list) -> None:
+        """The micro-step on one device, or in one replica of a strategy
+        that needs no ``merge_call``."""
+        self._replica_accumulate(grads)
+        self._count_and_maybe_update(acc_lib.received_mask(grads), self._replica_update)
+
+    def _tf_apply(self, grads: list) -> None:
+        """TensorFlow path: the only place that knows about ``tf.distribute``.
+
+        Under a strategy that needs ``merge_call`` (``MirroredStrategy``), the
+        ``cond`` that picks update steps must run in cross-replica context,
+        because the inner optimizer's update calls ``merge_call`` and a
+        ``merge_call`` inside a replica-context ``cond`` fails (the crash of
+        Keras' built-in accumulation). So, as ``LossScaleOptimizer._tf_apply``
+        does: one ``merge_call``; each replica adds its local gradients into
+        its local (``ON_READ``) slots; the counters move once; and on update
+        steps each replica hands its local window gradient to the inner
+        optimizer, whose usual all-reduce is the one cross-replica reduction
+        of the window.
+        """
+        import tensorflow as tf
+
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "AccumulatingOptimizer.apply() must be called in a replica "
+                "context (e.g. inside strategy.run), not cross-replica context."
+            )
+        if not tf.distribute.has_strategy() or (
+            tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            self._common_apply(grads)
+            return
+        mask = acc_lib.received_mask(grads)
+
+        def cross_replica_step(distribution, grads):
+            distribution.extended.call_for_each_replica(
+                self._replica_accumulate, args=(grads,)
+            )
+            self._count_and_maybe_update(
+                mask,
+                lambda: distribution.extended.call_for_each_replica(self._replica_update),
+            )
+
+        tf.distribute.get_replica_context().merge_call(cross_replica_step, args=(grads,))
+
+    # --------------------------------------------- pieces of one micro-step
+    def _replica_accumulate(self, grads: list) -> None:
+        acc_lib.accumulate(self, self.acc_grads, grads)
+
+    def _count_and_maybe_update(self, mask: list[int], run_update: Any) -> None:
+        acc_lib.count_micro_step(self, self.micro_steps, self.grad_received, mask, ops)
+
+        def update() -> None:
+            with self._gate_inner_updates(mask):
+                run_update()
+            self.assign(self.grad_received, ops.zeros_like(self.grad_received))
+
+        ops.cond(
+            acc_lib.is_update_step(self.micro_steps, self.gradient_accumulation_steps, ops),
+            update,
+            lambda: None,
+        )
+
+    def _replica_update(self) -> None:
+        window_grads = [
+            acc_lib.window_gradient(a, self.gradient_accumulation_steps, self.reduction, ops)
+            for a in self.acc_grads
+        ]
+        self.inner_optimizer.apply(window_grads, self._trainable_variables)
+        for a in self.acc_grads:
+            self.assign(a, ops.zeros(a.shape, dtype=a.dtype))
+
+    @contextlib.contextmanager
+    def _gate_inner_updates(self, mask: list[int]):
+        """Skip, per variable, the inner update of variables that had no
+        gradient in the window.
+
+        ``mask[i] == 1`` means variable ``i`` has a gradient on this
+        micro-step, so it certainly had one in the window; those run as usual.
+        For the others, whether they had one is known only at run time
+        (``grad_received[i]``), so their three inner-optimizer mutations
+        (``update_step``, weight decay, the variable's constraint) run under
+        an ``ops.cond`` on it. Slots of other variables and global state
+        (``iterations``, EMA over all variables, Nadam's momentum product)
+        move once per update, as in the large-batch reference.
+        """
+        gated = [i for i, m in enumerate(mask) if not m]
+        if not gated:
+            yield
+            return
+        inner = self.inner_optimizer
+        gates = {
+            inner._var_key(self._trainable_variables[i]): ops.greater(self.grad_received[i], 0)
+            for i in gated
+        }
+        orig_update_step = inner.update_step
+        orig_weight_decay = inner._apply_weight_decay
+
+        def update_step(gradient, variable, learning_rate):
+            gate = gates.get(inner._var_key(variable))
+            if gate is None:
+                return orig_update_step(gradient, variable, learning_rate)
+            return ops.cond(
+                gate, lambda: _none(orig_update_step(gradient, variable, learning_rate)), lambda: None
+            )
+
+        def apply_weight_decay(variables):
+            variables = list(variables)
+            orig_weight_decay([v for v in variables if inner._var_key(v) not in gates])
+            for v in variables:
+                gate = gates.get(inner._var_key(v))
+                if gate is not None:
+                    ops.cond(gate, lambda v=v: _none(orig_weight_decay([v])), lambda: None)
+
+        constrained = []
+        for i in gated:
+            v = self._trainable_variables[i]
+            if getattr(v, "constraint", None) is not None:
+                gate, c = gates[inner._var_key(v)], v.constraint
+                constrained.append((v, c))
+                v.constraint = lambda x, gate=gate, c=c: ops.cond(gate, lambda: c(x), lambda: x)
+        object.__setattr__(inner, "update_step", update_step)
+        object.__setattr__(inner, "_apply_weight_decay", apply_weight_decay)
+        try:
+            yield
+        finally:
+            object.__delattr__(inner, "update_step")
+            object.__delattr__(inner, "_apply_weight_decay")
+            for v, c in constrained:
+                v.constraint = c
+
+    # ---------------------------------------------------------- serialization
+    def get_config(self) -> dict:
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "reduction": self.reduction,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: Any = None) -> "AccumulatingOptimizer":
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _static_shape(value: Any) -> tuple | None:
+    dense_shape = getattr(value, "dense_shape", None)  # tf.IndexedSlices
+    if dense_shape is not None:
+        try:
+            import tensorflow as tf
+
+            static = tf.get_static_value(dense_shape)
+        except Exception:  # pragma: no cover - non-TF sparse types
+            static = None
+        return None if static is None else tuple(int(d) for d in static)
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return None
+    return tuple(None if d is None else int(d) for d in shape)
+
+
+def _check_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any]) -> None:
+    for g, v in zip(grads, variables):
+        if g is None:
+            continue
+        g_shape, v_shape = _static_shape(g), tuple(v.shape)
+        if g_shape is None or len(g_shape) != len(v_shape):
+            if g_shape is not None:
+                _raise_shape(g_shape, v)
+            continue
+        if any(a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)):
+            _raise_shape(g_shape, v)
+
+
+def _raise_shape(g_shape: tuple, v: Any) -> None:
+    raise ValueError(
+        f"Gradient shape {g_shape} does not match the shape {tuple(v.shape)} "
+        f"of variable {getattr(v, 'path', v.name)!r}; each gradient must have "
+        "its variable's shape."
+    )
