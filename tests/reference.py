@@ -1,0 +1,108 @@
+"""The independent reference: the same model trained with batch N*B, no accumulation.
+
+Both trainers take the same initial weights (a seeded builder), the same
+samples in the same order, and a loss that is a mean over the batch. The
+accumulating run sees the N*B samples of each large batch as N consecutive
+micro-batches of B.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from accum_optimizer import AccumulatingOptimizer
+
+
+def make_mlp(seed: int = 0, in_dim: int = 6, hidden: int = 5, out_dim: int = 3, dtype: str = "float32"):
+    """A small two-layer MLP whose initial weights depend only on ``seed``."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((in_dim,), dtype=dtype),
+            keras.layers.Dense(hidden, activation="tanh", dtype=dtype),
+            keras.layers.Dense(out_dim, dtype=dtype),
+        ]
+    )
+    return model
+
+
+def make_data(n: int, in_dim: int = 6, out_dim: int = 3, seed: int = 1, dtype: str = "float32"):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, in_dim)).astype(dtype)
+    y = rng.normal(size=(n, out_dim)).astype(dtype)
+    return x, y
+
+
+def mse(y, p):
+    return tf.reduce_mean(tf.square(y - p))
+
+
+def make_train_step(model, optimizer, loss_fn=mse, jit_compile: bool = False):
+    """A ``tf.function`` custom-loop step: tape, gradients, ``apply_gradients``."""
+
+    @tf.function(jit_compile=jit_compile)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
+def train(model, optimizer, x, y, batch: int, steps: int, loss_fn=mse, jit_compile=False):
+    """``steps`` optimizer calls on consecutive batches of ``batch`` samples."""
+    step = make_train_step(model, optimizer, loss_fn, jit_compile)
+    for s in range(steps):
+        sl = slice(s * batch, (s + 1) * batch)
+        step(tf.constant(x[sl]), tf.constant(y[sl]))
+    return model
+
+
+def reference_and_accumulated(
+    model_fn: Callable[[], keras.Model],
+    optimizer_fn: Callable[[], keras.optimizers.Optimizer],
+    n: int,
+    micro_batch: int,
+    windows: int,
+    reduction: str = "mean",
+    data_seed: int = 1,
+    dtype: str = "float32",
+):
+    """Train the reference (``windows`` steps of batch ``n*micro_batch``) and the
+    accumulating model (``n*windows`` micro-steps of ``micro_batch``).
+
+    With ``reduction="sum"`` the reference loss is multiplied by ``n`` (the
+    sum of ``n`` micro-batch mean losses has that gradient).
+    """
+    ref_model, acc_model = model_fn(), model_fn()
+    in_dim = ref_model.inputs[0].shape[-1]
+    out_dim = ref_model.outputs[0].shape[-1]
+    x, y = make_data(n * micro_batch * windows, in_dim, out_dim, data_seed, dtype)
+    scale = float(n) if reduction == "sum" else 1.0
+
+    def ref_loss(yt, yp):
+        return mse(yt, yp) * tf.cast(scale, yp.dtype)
+
+    ref_opt = optimizer_fn()
+    acc_opt = AccumulatingOptimizer(optimizer_fn(), gradient_accumulation_steps=n, reduction=reduction)
+    train(ref_model, ref_opt, x, y, n * micro_batch, windows, loss_fn=ref_loss)
+    train(acc_model, acc_opt, x, y, micro_batch, n * windows)
+    return ref_model, acc_model, ref_opt, acc_opt
+
+
+def max_abs_diff(a_list, b_list) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+        for a, b in zip(a_list, b_list)
+    )
+
+
+def weights(model_or_vars):
+    vs = model_or_vars.weights if hasattr(model_or_vars, "weights") else model_or_vars
+    return [np.array(v.numpy()) for v in vs]
