@@ -42,20 +42,26 @@ def mse(y, p):
 
 
 def make_train_step(model, optimizer, loss_fn=mse, jit_compile: bool = False):
-    """A ``tf.function`` custom-loop step: tape, gradients, ``apply_gradients``."""
+    """A custom-loop step: tape, gradients, ``apply_gradients``.
 
-    @tf.function(jit_compile=jit_compile)
+    ``jit_compile=None`` gives an eager (untraced) step.
+    """
+
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    return step
+    if jit_compile is None:
+        return step
+    return tf.function(step, jit_compile=jit_compile)
 
 
 def train(model, optimizer, x, y, batch: int, steps: int, loss_fn=mse, jit_compile=False):
+    # jit_compile: False (tf.function), True (tf.function with XLA), None (eager)
     """``steps`` optimizer calls on consecutive batches of ``batch`` samples."""
     step = make_train_step(model, optimizer, loss_fn, jit_compile)
     for s in range(steps):
@@ -73,6 +79,7 @@ def reference_and_accumulated(
     reduction: str = "mean",
     data_seed: int = 1,
     dtype: str = "float32",
+    jit_compile=False,
 ):
     """Train the reference (``windows`` steps of batch ``n*micro_batch``) and the
     accumulating model (``n*windows`` micro-steps of ``micro_batch``).
@@ -91,12 +98,15 @@ def reference_and_accumulated(
 
     ref_opt = optimizer_fn()
     acc_opt = AccumulatingOptimizer(optimizer_fn(), gradient_accumulation_steps=n, reduction=reduction)
-    train(ref_model, ref_opt, x, y, n * micro_batch, windows, loss_fn=ref_loss)
-    train(acc_model, acc_opt, x, y, micro_batch, n * windows)
+    train(ref_model, ref_opt, x, y, n * micro_batch, windows, loss_fn=ref_loss, jit_compile=jit_compile)
+    train(acc_model, acc_opt, x, y, micro_batch, n * windows, jit_compile=jit_compile)
     return ref_model, acc_model, ref_opt, acc_opt
 
 
 def max_abs_diff(a_list, b_list) -> float:
+    a_list, b_list = list(a_list), list(b_list)
+    if len(a_list) != len(b_list) or not a_list:
+        raise AssertionError(f"cannot compare {len(a_list)} arrays with {len(b_list)}")
     return max(
         float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
         for a, b in zip(a_list, b_list)
@@ -104,5 +114,5 @@ def max_abs_diff(a_list, b_list) -> float:
 
 
 def weights(model_or_vars):
-    vs = model_or_vars.weights if hasattr(model_or_vars, "weights") else model_or_vars
+    vs = model_or_vars.weights if isinstance(model_or_vars, keras.Model) else list(model_or_vars)
     return [np.array(v.numpy()) for v in vs]
