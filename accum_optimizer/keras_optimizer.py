@@ -162,10 +162,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
         super().__init__(learning_rate=0.0, name=name)
         # The base class made its own `iterations` and `learning_rate`
-        # variables; ours forward to the inner optimizer, so keep them out of
-        # `variables` (and out of saved state).
-        self._untrack_variable(self._iterations)
-        self._untrack_variable(self._learning_rate)
+        # variables; ours forward to the inner optimizer, so `variables`
+        # (and so the saved state) leaves them out.
+        self._unused_base_variables = (self._iterations, self._learning_rate)
         self.inner_optimizer = inner
         # Set after `super().__init__` so Keras' own accumulation stays off.
         self.gradient_accumulation_steps = steps
@@ -189,11 +188,13 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     f"`overwrite_with_gradient=True` (received {v.path!r}); "
                     "these carry float8 scaling state rather than gradients."
                 )
-        # What BaseOptimizer.build does, without Keras' own accumulation.
+        # What BaseOptimizer.build does, without Keras' own accumulation. The
+        # model's variables must not be tracked as optimizer variables (the
+        # base class builds under `no_automatic_dependency_tracking` for this).
         self._trainable_variables_indices = {
             self._var_key(v): i for i, v in enumerate(var_list)
         }
-        self._trainable_variables = var_list[:]
+        object.__setattr__(self, "_trainable_variables", var_list[:])
         with keras.name_scope(self.name, caller=self):
             self.micro_steps = self.add_variable(
                 shape=(), dtype="int", aggregation="only_first_replica", name="micro_steps"
@@ -213,7 +214,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.built = True
         if self._deferred_state is not None:
             state, self._deferred_state = self._deferred_state, None
-            self.load_own_variables(state)
+            # `build` may run inside the first traced train step; the restore
+            # must happen now, not in a graph that tf.function may discard.
+            with _outside_functions():
+                self.load_own_variables(state)
 
     def _add_accumulator(self, reference: Any) -> Any:
         """One slot per trainable variable: a replica-local (``ON_READ``,
@@ -242,7 +246,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def variables(self) -> list:
         """The wrapper's variables (``micro_steps``, ``grad_received``,
         ``acc_grads``) followed by all of the inner optimizer's."""
-        return self._variables[:] + self.inner_optimizer.variables
+        own = [v for v in self._variables if not any(v is u for u in self._unused_base_variables)]
+        return own + self.inner_optimizer.variables
+
+    def __dir__(self):
+        # Keras' saving walks `dir()` for child objects to save. The inner
+        # optimizer's variables are already in this optimizer's `variables`
+        # (saved and restored together, deferred until build if need be), so
+        # hide it there: otherwise its state is written twice and, on an
+        # unbuilt optimizer, Keras warns that it skipped it.
+        return [a for a in super().__dir__() if a != "inner_optimizer"]
 
     @property
     def iterations(self) -> Any:
@@ -269,11 +282,14 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
         On an optimizer that is not built yet the values are kept and
         restored by :meth:`build` (Keras itself would skip them with a
-        warning).
+        warning). An empty store (weights saved without optimizer state)
+        restores nothing.
 
         Raises:
             ValueError: if the number of saved variables does not match.
         """
+        if len(store.keys()) == 0:
+            return  # weights saved without optimizer state: nothing to restore
         if not self.built:
             self._deferred_state = {k: np.asarray(store[k]) for k in store.keys()}
             return
@@ -501,6 +517,15 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
 def _none(_: Any) -> None:
     return None
+
+
+def _outside_functions():
+    """Eager context even while a ``tf.function`` is being traced (TF only)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.init_scope()
+    return contextlib.nullcontext()
 
 
 def _static_shape(value: Any) -> tuple | None:
