@@ -12,6 +12,7 @@ method (:meth:`AccumulatingOptimizer._tf_apply`). The algorithm itself lives in
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Iterable, Mapping, Sequence
 
 import keras
@@ -39,8 +40,9 @@ _INNER_ONLY_ARGS = {
 def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
     if isinstance(inner_optimizer, (str, dict)):
         try:
-            inner_optimizer = keras.optimizers.get(inner_optimizer)
-        except ValueError as e:
+            # keras.optimizers.get edits a config dict in place: pass a copy.
+            inner_optimizer = keras.optimizers.get(copy.deepcopy(inner_optimizer))
+        except (ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 "`inner_optimizer` could not be resolved by "
                 f"keras.optimizers.get. Received: inner_optimizer="
@@ -153,9 +155,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     "per update on the window's gradient."
                 )
         if kwargs:
+            received = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
             raise TypeError(
-                "AccumulatingOptimizer got unexpected keyword argument(s) "
-                f"{sorted(kwargs)}. Accepted: inner_optimizer, "
+                "AccumulatingOptimizer got unexpected keyword argument(s): "
+                f"{received}. Accepted: inner_optimizer, "
                 "gradient_accumulation_steps, reduction, name."
             )
         inner = _resolve_inner(inner_optimizer)
@@ -393,6 +396,21 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 "AccumulatingOptimizer.apply() must be called in a replica "
                 "context (e.g. inside strategy.run), not cross-replica context."
             )
+        # Shapes unknown at trace time are checked when the step runs, before
+        # any state changes: the check gates every write of this micro-step.
+        checked = [
+            g
+            if g is None or isinstance(g, tf.IndexedSlices) or g.shape.is_fully_defined()
+            else tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{_op_name(v.path)}")
+            for g, v in zip(grads, self._trainable_variables)
+        ]
+        gate = [g for g, h in zip(checked, grads) if g is not h]
+        with tf.control_dependencies(gate):
+            self._tf_apply_checked(checked)
+
+    def _tf_apply_checked(self, grads: list) -> None:
+        import tensorflow as tf
+
         if not tf.distribute.has_strategy() or (
             tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
@@ -519,6 +537,10 @@ def _none(_: Any) -> None:
     return None
 
 
+def _op_name(path: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-/" else "_" for c in path)
+
+
 def _outside_functions():
     """Eager context even while a ``tf.function`` is being traced (TF only)."""
     if keras.backend.backend() == "tensorflow":
@@ -539,7 +561,7 @@ def _static_shape(value: Any) -> tuple | None:
             static = None
         return None if static is None else tuple(int(d) for d in static)
     shape = getattr(value, "shape", None)
-    if shape is None:
+    if shape is None or getattr(shape, "rank", 0) is None:  # unknown rank
         return None
     return tuple(None if d is None else int(d) for d in shape)
 
