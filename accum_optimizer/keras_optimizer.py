@@ -188,7 +188,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             if self._overwrite_variable_with_gradient(v):
                 raise ValueError(
                     "AccumulatingOptimizer does not support variables with "
-                    f"`overwrite_with_gradient=True` (received {v.path!r}); "
+                    f"`overwrite_with_gradient=True` (received {_path(v)!r}); "
                     "these carry float8 scaling state rather than gradients."
                 )
         # What BaseOptimizer.build does, without Keras' own accumulation. The
@@ -225,7 +225,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def _add_accumulator(self, reference: Any) -> Any:
         """One slot per trainable variable: a replica-local (``ON_READ``,
         summed on read) zero-initialised copy of its shape and dtype."""
-        name = f"{reference.path.replace('/', '_')}_acc_grad"
+        name = f"{_path(reference).replace('/', '_').replace(':', '_')}_acc_grad"
         with self._colocate_with(reference):
             variable = keras.Variable(
                 initializer=keras.initializers.Zeros(),
@@ -243,7 +243,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         strategy = getattr(self, "_distribution_strategy", None)
         if strategy is None:
             return contextlib.nullcontext()
-        return strategy.extended.colocate_vars_with(reference.value)
+        if isinstance(reference, keras.Variable):
+            reference = reference.value
+        return strategy.extended.colocate_vars_with(reference)
 
     @property
     def variables(self) -> list:
@@ -348,7 +350,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             return
         _check_gradient_shapes(grads, trainable_variables)
         if all(g is None for g in grads):
-            names = [v.path for v in trainable_variables]
+            names = [_path(v) for v in trainable_variables]
             raise ValueError(f"No gradients provided for any variable: {names}.")
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -401,33 +403,25 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         checked = [
             g
             if g is None or isinstance(g, tf.IndexedSlices) or g.shape.is_fully_defined()
-            else tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{_op_name(v.path)}")
+            else tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{_op_name(_path(v))}")
             for g, v in zip(grads, self._trainable_variables)
         ]
-        gate = [g for g, h in zip(checked, grads) if g is not h]
-        with tf.control_dependencies(gate):
-            self._tf_apply_checked(checked)
+        with tf.control_dependencies([g for g, h in zip(checked, grads) if g is not h]):
+            if not tf.distribute.has_strategy() or (
+                tf.__internal__.distribute.strategy_supports_no_merge_call()
+            ):
+                self._common_apply(checked)
+                return
+            tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
 
-    def _tf_apply_checked(self, grads: list) -> None:
-        import tensorflow as tf
-
-        if not tf.distribute.has_strategy() or (
-            tf.__internal__.distribute.strategy_supports_no_merge_call()
-        ):
-            self._common_apply(grads)
-            return
-        mask = acc_lib.received_mask(grads)
-
-        def cross_replica_step(distribution, grads):
-            distribution.extended.call_for_each_replica(
-                self._replica_accumulate, args=(grads,)
-            )
-            self._count_and_maybe_update(
-                mask,
-                lambda: distribution.extended.call_for_each_replica(self._replica_update),
-            )
-
-        tf.distribute.get_replica_context().merge_call(cross_replica_step, args=(grads,))
+    def _cross_replica_step(self, distribution: Any, grads: list) -> None:
+        # Runs once, in cross-replica context, for all replicas (`grads` holds
+        # per-replica values; which are None is the same in every replica).
+        distribution.extended.call_for_each_replica(self._replica_accumulate, args=(grads,))
+        self._count_and_maybe_update(
+            acc_lib.received_mask(grads),
+            lambda: distribution.extended.call_for_each_replica(self._replica_update),
+        )
 
     # --------------------------------------------- pieces of one micro-step
     def _replica_accumulate(self, grads: list) -> None:
@@ -537,6 +531,11 @@ def _none(_: Any) -> None:
     return None
 
 
+def _path(variable: Any) -> str:
+    """``keras.Variable.path``, or a ``tf.Variable``'s name."""
+    return getattr(variable, "path", None) or variable.name
+
+
 def _op_name(path: str) -> str:
     return "".join(c if c.isalnum() or c in "._-/" else "_" for c in path)
 
@@ -582,6 +581,6 @@ def _check_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any]) -> No
 def _raise_shape(g_shape: tuple, v: Any) -> None:
     raise ValueError(
         f"Gradient shape {g_shape} does not match the shape {tuple(v.shape)} "
-        f"of variable {getattr(v, 'path', v.name)!r}; each gradient must have "
+        f"of variable {_path(v)!r}; each gradient must have "
         "its variable's shape."
     )

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
-    max_examples=12,
+    max_examples=40,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

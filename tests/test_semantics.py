@@ -143,6 +143,8 @@ def _reference_pattern(inner_fn, x, y, mb, n=4):
     return model, opt
 
 
+# The plain reference optimizer warns about b's missing gradient in window 0.
+@pytest.mark.filterwarnings("ignore:Gradients do not exist:UserWarning")
 @pytest.mark.parametrize("subset", [False, True], ids=["none_grads", "variable_subset"])
 @pytest.mark.parametrize(
     "inner_fn",
