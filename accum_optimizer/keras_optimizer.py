@@ -64,6 +64,15 @@ def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
             f"'adam'). Received: inner_optimizer={inner_optimizer!r} of type "
             f"{type(inner_optimizer).__module__}.{type(inner_optimizer).__qualname__}."
         )
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` must not be a LossScaleOptimizer (received "
+            f"inner_optimizer={inner_optimizer!r}). Put the loss scaling "
+            "outside: LossScaleOptimizer(AccumulatingOptimizer(inner, N)). "
+            "Under the 'mixed_float16' policy, model.compile does that by "
+            "itself; with a LossScaleOptimizer inside, it would wrap a second "
+            "one around the first and unscale the gradients twice."
+        )
     if getattr(inner_optimizer, "gradient_accumulation_steps", None):
         raise ValueError(
             "`inner_optimizer` already uses Keras' built-in gradient "
@@ -141,6 +150,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if keras.backend.backend() != "tensorflow":
+            raise NotImplementedError(
+                "AccumulatingOptimizer supports Keras 3 on the TensorFlow backend "
+                f"for now; this Keras runs the {keras.backend.backend()!r} "
+                "backend (KERAS_BACKEND). Use KERAS_BACKEND=tensorflow."
+            )
         steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
         reduction = acc_lib.validate_reduction(reduction)
         for arg, default in _INNER_ONLY_ARGS.items():
@@ -279,6 +294,37 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def scale_loss(self, loss: Any) -> Any:
         return self.inner_optimizer.scale_loss(loss)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
+        """Forwarded to the inner optimizer, which owns the weight decay."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Assign ``weights`` (arrays in the order of :attr:`variables`).
+
+        Raises:
+            ValueError: the optimizer is not built, or the number or shapes of
+                ``weights`` do not match :attr:`variables`.
+        """
+        if not self.built:
+            raise ValueError(
+                "set_weights() needs a built optimizer; call "
+                "`optimizer.build(trainable_variables)` first."
+            )
+        variables = self.variables
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"`weights` must have one array per optimizer variable: expected "
+                f"{len(variables)}, received {len(weights)}."
+            )
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(
+                    f"Optimizer variable {_path(variable)!r} has shape "
+                    f"{tuple(variable.shape)}; received a weight of shape "
+                    f"{tuple(np.shape(weight))}."
+                )
+            variable.assign(weight)
+
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
@@ -304,7 +350,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 f"Cannot restore optimizer '{self.name}': it has "
                 f"{len(variables)} variables but the saved state has "
                 f"{len(store.keys())}. Was it saved with a different inner "
-                "optimizer, gradient_accumulation_steps or model?"
+                "optimizer, gradient_accumulation_steps or model? To load only "
+                "the model's weights, use keras.saving.load_weights(model, "
+                "path, objects_to_skip=[model.optimizer]) on a .weights.h5 file."
             )
         for i, variable in enumerate(variables):
             variable.assign(store[str(i)])
@@ -348,6 +396,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             )
         if not grads:
             return
+        grads = [
+            g if g is None or _is_tensor_like(g) else ops.convert_to_tensor(g, dtype=v.dtype)
+            for g, v in zip(grads, trainable_variables)
+        ]
         _check_gradient_shapes(grads, trainable_variables)
         if all(g is None for g in grads):
             names = [_path(v) for v in trainable_variables]
@@ -460,52 +512,37 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         For the others, whether they had one is known only at run time
         (``grad_received[i]``), so their three inner-optimizer mutations
         (``update_step``, weight decay, the variable's constraint) run under
-        an ``ops.cond`` on it. Slots of other variables and global state
+        an ``ops.cond`` on it, in the inner optimizer and in any optimizers it
+        delegates to (``MultiOptimizer.optimizers``). Global state
         (``iterations``, EMA over all variables, Nadam's momentum product)
-        move once per update, as in the large-batch reference.
+        moves once per update, as in the large-batch reference.
         """
         gated = [i for i, m in enumerate(mask) if not m]
         if not gated:
             yield
             return
-        inner = self.inner_optimizer
         gates = {
-            inner._var_key(self._trainable_variables[i]): ops.greater(self.grad_received[i], 0)
+            self._var_key(self._trainable_variables[i]): ops.greater(self.grad_received[i], 0)
             for i in gated
         }
-        orig_update_step = inner.update_step
-        orig_weight_decay = inner._apply_weight_decay
-
-        def update_step(gradient, variable, learning_rate):
-            gate = gates.get(inner._var_key(variable))
-            if gate is None:
-                return orig_update_step(gradient, variable, learning_rate)
-            return ops.cond(
-                gate, lambda: _none(orig_update_step(gradient, variable, learning_rate)), lambda: None
-            )
-
-        def apply_weight_decay(variables):
-            variables = list(variables)
-            orig_weight_decay([v for v in variables if inner._var_key(v) not in gates])
-            for v in variables:
-                gate = gates.get(inner._var_key(v))
-                if gate is not None:
-                    ops.cond(gate, lambda v=v: _none(orig_weight_decay([v])), lambda: None)
-
+        patched = []
+        for opt in _optimizer_tree(self.inner_optimizer):
+            patched.append(opt)
+            object.__setattr__(opt, "update_step", _gated_update_step(opt, gates))
+            object.__setattr__(opt, "_apply_weight_decay", _gated_weight_decay(opt, gates))
         constrained = []
         for i in gated:
             v = self._trainable_variables[i]
             if getattr(v, "constraint", None) is not None:
-                gate, c = gates[inner._var_key(v)], v.constraint
+                gate, c = gates[self._var_key(v)], v.constraint
                 constrained.append((v, c))
                 v.constraint = lambda x, gate=gate, c=c: ops.cond(gate, lambda: c(x), lambda: x)
-        object.__setattr__(inner, "update_step", update_step)
-        object.__setattr__(inner, "_apply_weight_decay", apply_weight_decay)
         try:
             yield
         finally:
-            object.__delattr__(inner, "update_step")
-            object.__delattr__(inner, "_apply_weight_decay")
+            for opt in patched:
+                object.__delattr__(opt, "update_step")
+                object.__delattr__(opt, "_apply_weight_decay")
             for v, c in constrained:
                 v.constraint = c
 
@@ -529,6 +566,44 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
 def _none(_: Any) -> None:
     return None
+
+
+def _optimizer_tree(opt: Any) -> list:
+    """``opt`` and the optimizers it delegates updates to (``MultiOptimizer``)."""
+    found = [opt]
+    for sub in getattr(opt, "optimizers", None) or []:
+        found += _optimizer_tree(sub)
+    return found
+
+
+def _gated_update_step(opt: Any, gates: dict):
+    orig = opt.update_step
+
+    def update_step(gradient, variable, learning_rate):
+        gate = gates.get(opt._var_key(variable))
+        if gate is None:
+            return orig(gradient, variable, learning_rate)
+        return ops.cond(gate, lambda: _none(orig(gradient, variable, learning_rate)), lambda: None)
+
+    return update_step
+
+
+def _gated_weight_decay(opt: Any, gates: dict):
+    orig = opt._apply_weight_decay
+
+    def apply_weight_decay(variables):
+        variables = list(variables)
+        orig([v for v in variables if opt._var_key(v) not in gates])
+        for v in variables:
+            gate = gates.get(opt._var_key(v))
+            if gate is not None:
+                ops.cond(gate, lambda v=v: _none(orig([v])), lambda: None)
+
+    return apply_weight_decay
+
+
+def _is_tensor_like(value: Any) -> bool:
+    return hasattr(value, "dense_shape") or ops.is_tensor(value) or isinstance(value, keras.Variable)
 
 
 def _path(variable: Any) -> str:

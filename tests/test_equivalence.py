@@ -38,7 +38,6 @@ def _opt_cases():
         "lamb": lambda: o.Lamb(1e-2),
         "adafactor": lambda: o.Adafactor(1e-2),
         "schedule_free_adamw": lambda: o.ScheduleFreeAdamW(1e-2),
-        "loss_scale_adam": lambda: o.LossScaleOptimizer(o.Adam(1e-2), initial_scale=2.0**10),
         "multi_optimizer": lambda: o.MultiOptimizer(
             lambda v: o.Adam(1e-2) if "kernel" in v.path else o.SGD(0.1, momentum=0.9)
         ),
