@@ -73,9 +73,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "beyond it the demo exits with status 1")
     p.add_argument("--run", choices=sorted(RUNS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.micro_batch < 1 or args.steps < 2:
-        p.error("need --epochs >= 1, --micro-batch >= 1 and --steps >= 2 "
-                "(Keras' built-in accumulation requires at least 2 steps)")
+    for flag, value, low, why in [
+        ("--epochs", args.epochs, 1, ""),
+        ("--micro-batch", args.micro_batch, 1, ""),
+        ("--steps", args.steps, 2, " (Keras' built-in accumulation, run 3, needs at least 2)"),
+    ]:
+        if value < low:
+            p.error(f"{flag} must be an integer >= {low}{why}; received {flag} {value}")
+    if not args.tolerance > 0:
+        p.error(f"--tolerance must be a positive number; received --tolerance {args.tolerance}")
     return args
 
 
