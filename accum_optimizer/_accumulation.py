@@ -11,7 +11,7 @@ micro-step, written here once against a small :class:`StateOps` protocol:
 3. If ``micro_steps % gradient_accumulation_steps == 0`` (the last micro-step of
    a window), hand ``window_gradient(acc_grads[i])`` to the inner optimizer
    once, gated per variable by ``grad_received[i]``, then zero ``acc_grads``
-   and ``grad_received``. Otherwise do nothing else: the model weights and
+   (:func:`reset`) and ``grad_received``. Otherwise do nothing else: the model weights and
    every inner-optimizer variable stay bitwise untouched.
 
 The names follow optax's ``MultiSteps``: ``acc_grads`` are the accumulator
@@ -28,7 +28,7 @@ of a ``tf.distribute`` strategy.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 REDUCTIONS = ("mean", "sum")
 
@@ -141,11 +141,22 @@ def count_micro_step(
         )
 
 
-def reset(state_ops: StateOps, acc_grads: Sequence[Any], grad_received: Any, ops: Any) -> None:
-    """Step 3b: zero the accumulator slots and the received flags."""
+def runtime_zero(micro_steps: Any, ops: Any) -> Any:
+    """A scalar 0 that graph optimizers cannot fold into a constant.
+
+    ``assign(acc, zeros(shape))`` with a constant 0 gets constant-folded by
+    TensorFlow's graph optimizer into a constant as large as the accumulator,
+    which the traced function then keeps alive: one more copy of the
+    parameters, resident for good (measured on a 244 MiB embedding table).
+    ``max(min(micro_steps, 0), 0)`` is 0 for every integer but is only known
+    when the step runs.
+    """
+    return ops.maximum(ops.minimum(micro_steps, 0), 0)
+
+
+def reset(state_ops: StateOps, acc_grads: Sequence[Any], zero: Any, ops: Any) -> None:
+    """Step 3b: zero the accumulator slots (``zero`` from :func:`runtime_zero`)."""
     for acc in acc_grads:
-        state_ops.assign(acc, ops.zeros(acc.shape, dtype=acc.dtype))
-    state_ops.assign(grad_received, ops.zeros_like(grad_received))
+        state_ops.assign(acc, ops.full(acc.shape, ops.cast(zero, acc.dtype)))
 
 
-UpdateFn = Callable[[list, list], None]

@@ -499,8 +499,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             for a in self.acc_grads
         ]
         self.inner_optimizer.apply(window_grads, self._trainable_variables)
-        for a in self.acc_grads:
-            self.assign(a, ops.zeros(a.shape, dtype=a.dtype))
+        acc_lib.reset(self, self.acc_grads, acc_lib.runtime_zero(self.micro_steps, ops), ops)
 
     @contextlib.contextmanager
     def _gate_inner_updates(self, mask: list[int]):
