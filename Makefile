@@ -6,8 +6,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+BENCH_ARGS ?= --quick
+BENCH_OUT  ?= bench_output
 
-.PHONY: venv demo test test-full clean
+.PHONY: venv demo test test-full bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +31,9 @@ test: $(STAMP)
 test-full: $(STAMP)
 	HYPOTHESIS_PROFILE=full $(BIN)/python -m pytest $(PYTEST_ARGS)
 
+## Memory, step-overhead and sparse benchmarks (quick profile: < 10 min on 2 CPU cores).
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks $(BENCH_ARGS) --out $(BENCH_OUT)
+
 clean:
-	rm -rf $(VENV) demo_output .pytest_cache .hypothesis
+	rm -rf $(VENV) demo_output bench_output .pytest_cache .hypothesis

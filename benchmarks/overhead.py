@@ -1,0 +1,334 @@
+"""Time per micro-step: plain optimizer vs AccumulatingOptimizer vs Keras' built-in.
+
+For each model (the same ResNet-style CNN and Transformer encoder as
+``benchmarks.memory``) at micro-batch B, and each way of running a step
+(``model.fit`` and a ``tf.function`` custom loop, with ``jit_compile`` off and
+on), it builds every configuration first (its own model and optimizer, traced
+and warmed up):
+
+  * plain Adam,
+  * ``AccumulatingOptimizer(Adam, N)`` for each N,
+  * Keras' built-in ``Adam(gradient_accumulation_steps=N)`` for each N >= 2
+    (N=1 is rejected by Keras: "n/a"),
+
+then, after one untimed round, runs them interleaved: in each of
+``--rounds`` rounds, a block of ``--block`` micro-steps of every
+configuration in turn (the order rotates from round to round). The block is a multiple of every N, so each block holds whole
+accumulation windows and its mean time per micro-step includes the update
+steps' share (a per-step median would hide the one-in-N update). The ratios
+accum/plain and accum/built-in are taken within each round, side by side, and
+reported as median [interquartile range] over the rounds (min and max in the JSON).
+
+The floor for the accumulation overhead is one more pass over the parameters
+per micro-step (read the gradient, read the accumulator, write it: 12 bytes
+per float32 parameter) at the copy bandwidth measured here (``assign_add`` on
+a 64 MiB tensor); it is printed next to the measured overhead.
+
+    python -m benchmarks.overhead            # quick profile (default)
+    python -m benchmarks.overhead --full     # bigger models, more rounds
+    python -m benchmarks.overhead --tiny     # seconds; what the smoke test runs
+
+Writes ``<out>/overhead.json`` and ``<out>/overhead.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/overhead.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+from benchmarks import _common as C  # noqa: E402
+
+ALL_MODES = (("custom", False), ("custom", True), ("fit", False), ("fit", True))
+PROFILES = {
+    # tiny: every code path (both loops, XLA on and off, N=1 "n/a") in seconds.
+    "tiny": dict(models=("cnn",), batch={"cnn": 2, "transformer": 1}, ns=(1, 2),
+                 modes=(("custom", True), ("fit", False)), rounds=2, block=2, bandwidth_mib=16),
+    "quick": dict(models=C.MODELS, batch={"cnn": 16, "transformer": 4}, ns=(1, 4),
+                  modes=ALL_MODES, rounds=10, block=4, bandwidth_mib=64),
+    "full": dict(models=C.MODELS, batch={"cnn": 32, "transformer": 8}, ns=(1, 4, 16),
+                 modes=ALL_MODES, rounds=20, block=16, bandwidth_mib=256),
+}
+
+
+def _make_timer():
+    """A Keras callback timing ``fit`` from the first batch's begin to the
+    last batch's end. (Overriding ``on_train_batch_end`` makes Keras call it
+    synchronously, so the time covers the steps themselves.)"""
+    import keras
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.t0 is None:
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.t1 = time.perf_counter()
+
+        def reset(self):
+            self.t0 = self.t1 = None
+
+    timer = Timer()
+    timer.reset()
+    return timer
+
+
+class Config:
+    """One (model, optimizer) pair with a way to run a block of micro-steps."""
+
+    def __init__(self, kind, size, batch, method, n, loop, jit):
+        import tensorflow as tf
+
+        self.kind, self.method, self.n, self.loop, self.jit = kind, method, n, loop, jit
+        self.label = "plain" if method == "plain" else f"{method} N={n}"
+        self.model = C.build_model(kind, size, seed=0)
+        x, y = C.make_batch(kind, size, batch, seed=1)
+        self.opt = C.make_optimizer(method, n)  # may raise NotApplicable
+        loss = C.model_loss(kind)
+        if loop == "custom":
+            self.x, self.y = C.on_device(x, y)
+            self.step = C.make_train_step(self.model, self.opt, loss, jit_compile=jit)
+        else:
+            self.model.compile(optimizer=self.opt, loss=loss, jit_compile=jit)
+            self.ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+            self.timer = _make_timer()
+
+    def run(self, steps: int) -> float:
+        """Run ``steps`` micro-steps; returns seconds per micro-step."""
+        if self.loop == "custom":
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                loss = self.step(self.x, self.y)
+            loss.numpy()  # wait for the last step
+            return (time.perf_counter() - t0) / steps
+        self.timer.reset()
+        self.model.fit(self.ds, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+                       callbacks=[self.timer])
+        return (self.timer.t1 - self.timer.t0) / steps
+
+    def micro_steps_taken(self) -> int:
+        from accum_optimizer import AccumulatingOptimizer
+
+        if isinstance(self.opt, AccumulatingOptimizer):
+            return int(self.opt.micro_steps.numpy())
+        # Keras' `iterations` counts updates when it accumulates; `_iterations` counts steps.
+        return int(self.opt._iterations.numpy())
+
+
+def run_group(kind, size, batch, loop, jit, p, prog) -> dict:
+    """Build, warm up and time all configurations of one (model, loop, jit)."""
+    import keras
+
+    keras.backend.clear_session()
+    gc.collect()
+    block = p["block"]
+    specs = [("plain", 1)] + [("accum", n) for n in p["ns"]] + [("builtin", n) for n in p["ns"]]
+    configs, na, errors, build_s = [], {}, {}, {}
+    tag = f"{kind} {loop} jit={'on' if jit else 'off'}"
+    for method, n in specs:
+        label = "plain" if method == "plain" else f"{method} N={n}"
+        t0 = time.perf_counter()
+        try:
+            c = Config(kind, size, batch, method, n, loop, jit)
+            c.run(1)  # trace / compile
+            configs.append(c)
+            build_s[label] = time.perf_counter() - t0
+            prog.step(f"{tag} {label}: built and traced", seconds=time.perf_counter() - t0)
+        except C.NotApplicable as e:
+            na[label] = str(e)
+            prog.step(f"{tag} {label}", f"n/a ({e})")
+        except Exception as e:  # Keras' built-in fails in some setups: report, don't stop
+            errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            prog.step(f"{tag} {label}", f"n/a (error: {errors[label]})")
+    times = {c.label: [] for c in configs}
+    t0 = time.perf_counter()
+    # Warm-up round, after *all* configurations are built: a function's first
+    # call after other functions were traced is slow once (~0.1 s on a CPU),
+    # and the block runs the update branch too.
+    for c in configs:
+        c.run(block)
+    for r in range(p["rounds"]):
+        k = r % max(len(configs), 1)
+        for c in configs[k:] + configs[:k]:
+            times[c.label].append(c.run(block))
+    prog.step(f"{tag}: timed {p['rounds']} rounds x {block} micro-steps x {len(configs)} configs",
+              seconds=time.perf_counter() - t0)
+
+    def ratios(num: str, den: str):
+        if num not in times or den not in times:
+            return None
+        rs = [a / b for a, b in zip(times[num], times[den])]
+        return C.summarize(rs)
+
+    rows = []
+    for n in p["ns"]:
+        acc, bi = f"accum N={n}", f"builtin N={n}"
+        rows.append({
+            "n": n,
+            "plain_s": C.summarize(times["plain"]) if "plain" in times else None,
+            "accum_s": C.summarize(times[acc]) if acc in times else None,
+            "builtin_s": C.summarize(times[bi]) if bi in times else None,
+            "builtin_na": na.get(bi) or errors.get(bi),
+            "accum_over_plain": ratios(acc, "plain"),
+            "accum_over_builtin": ratios(acc, bi),
+            "builtin_over_plain": ratios(bi, "plain"),
+        })
+    result = {"model": kind, "loop": loop, "jit_compile": jit, "micro_batch": batch,
+              "block_micro_steps": block, "rounds": p["rounds"],
+              "times_s_per_micro_step": times, "not_applicable": na, "errors": errors,
+              "build_and_trace_s": build_s,
+              "micro_steps_taken": {c.label: c.micro_steps_taken() for c in configs},
+              "rows": rows}
+    param_count = sum(int(v.shape.num_elements()) for v in configs[0].model.trainable_variables) if configs else None
+    del configs
+    gc.collect()
+    return {"result": result, "param_count": param_count}
+
+
+def _ms(s: dict | None) -> str:
+    return "n/a" if s is None else f"{1e3 * s['median']:.2f}"
+
+
+def _ratio(s: dict | None) -> str:
+    return "n/a" if s is None else C.fmt_ratio(s["median"], s["q1"], s["q3"])
+
+
+def table(data: dict, markdown: bool = False) -> str:
+    bw = data["bandwidth"]["bytes_per_second"]
+    headers = ["model", "loop", "jit", "N", "plain ms", "accum ms", "built-in ms",
+               "accum/plain [IQR]", "accum/built-in [IQR]", "overhead ms", "floor ms"]
+    rows = []
+    for g in data["groups"]:
+        floor_s = data["models"][g["model"]]["floor_seconds"]
+        for row in g["rows"]:
+            over = (1e3 * (row["accum_s"]["median"] - row["plain_s"]["median"])
+                    if row["accum_s"] and row["plain_s"] else None)
+            rows.append([g["model"], g["loop"], "on" if g["jit_compile"] else "off", row["n"],
+                         _ms(row["plain_s"]), _ms(row["accum_s"]),
+                         _ms(row["builtin_s"]) if row["builtin_s"] else "n/a",
+                         _ratio(row["accum_over_plain"]), _ratio(row["accum_over_builtin"]),
+                         "n/a" if over is None else f"{over:+.2f}",
+                         "0" if row["n"] == 1 else f"{1e3 * floor_s:.3f}"])
+    lines = [C.format_table(headers, rows, markdown)]
+    lines.append("")
+    lines.append(f"Time per micro-step: median over {data['settings']['rounds']} interleaved rounds of the mean "
+                 f"over a block of {data['settings']['block']} micro-steps (whole windows). Ratios are taken "
+                 "within each round, side by side: median [interquartile range] over the rounds (min and max "
+                 "are in the JSON). 'overhead' = accum - plain; 'floor' = one more pass over the parameters "
+                 "(read gradient, read and write accumulator) at the measured copy bandwidth.")
+    for kind, m in data["models"].items():
+        lines.append(f"floor ({kind}): 3 x 4 B x {m['param_count']:,} params = "
+                     f"{m['floor_bytes'] / C.MIB:.2f} MiB per micro-step at {bw / 1e9:.1f} GB/s "
+                     f"(measured assign_add) = {1e3 * m['floor_seconds']:.3f} ms")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: Path) -> Path:
+    plt = C.pyplot()
+    models = list(data["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
+    for ax, kind in zip(axes[0], models):
+        groups = [g for g in data["groups"] if g["model"] == kind]
+        labels, pos, seen = [], 0, set()
+        for g in groups:
+            mode = f"{g['loop']}\njit {'on' if g['jit_compile'] else 'off'}"
+            for i, row in enumerate(g["rows"]):
+                for j, (key, color, name) in enumerate((("accum_over_plain", "tab:blue", "accum / plain"),
+                                                        ("accum_over_builtin", "tab:orange",
+                                                         "accum / built-in"))):
+                    s = row[key]
+                    if s is None:
+                        continue
+                    x = pos + i + (j - 0.5) * 0.35
+                    ax.errorbar([x], [s["median"]], yerr=[[s["median"] - s["q1"]], [s["q3"] - s["median"]]],
+                                fmt="o", color=color, capsize=3, label=None if name in seen else name)
+                    seen.add(name)
+                labels.append((pos + i, f"N={row['n']}\n{mode}"))
+            pos += len(g["rows"]) + 1
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.03, color="tab:red", lw=0.8, ls="--", label="+3% target")
+        ax.set_xticks([p for p, _ in labels])
+        ax.set_xticklabels([t for _, t in labels], fontsize=7)
+        ax.set_ylabel("time per micro-step ratio (median and IQR over rounds)")
+        ax.set_title(f"{kind}, micro-batch {data['models'][kind]['micro_batch']}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("AccumulatingOptimizer micro-step time relative to plain and to Keras' built-in")
+    return C.save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    C.add_profile_args(parser)
+    parser.add_argument("--models", type=C.parse_str_list, help="comma list of cnn,transformer")
+    parser.add_argument("--batch", type=int, help="micro-batch size B for every model")
+    parser.add_argument("--n", type=C.parse_int_list, help="comma list of accumulation steps N")
+    parser.add_argument("--modes", type=C.parse_str_list,
+                        help="comma list of custom-jit-off,custom-jit-on,fit-jit-off,fit-jit-on")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds")
+    parser.add_argument("--block", type=int, help="micro-steps per block (rounded up to a multiple of every N)")
+    args = parser.parse_args(argv)
+
+    p = dict(PROFILES[args.profile])
+    for key in ("models", "rounds", "block"):
+        if getattr(args, key):
+            p[key] = tuple(getattr(args, key)) if isinstance(getattr(args, key), list) else getattr(args, key)
+    if args.batch:
+        p["batch"] = {k: args.batch for k in C.MODELS}
+    if args.n:
+        p["ns"] = tuple(args.n)
+    if args.modes:
+        p["modes"] = tuple((m.split("-")[0], m.endswith("-on")) for m in args.modes)
+    lcm = 1
+    for n in p["ns"]:
+        lcm = lcm * n // math.gcd(lcm, n)
+    p["block"] = -(-p["block"] // lcm) * lcm
+
+    t_start = time.perf_counter()
+    env = C.static_env()
+    C.configure_gpu()
+    env.update(C.tf_env())
+    n_groups = len(p["models"]) * len(p["modes"])
+    per_group = 1 + 2 * len(p["ns"]) + 1
+    prog = C.Progress("overhead", n_groups * per_group + 1)
+    bw = C.copy_bandwidth(p["bandwidth_mib"])
+    prog.step("copy bandwidth (assign_add, %d MiB)" % p["bandwidth_mib"], f"{bw['bytes_per_second'] / 1e9:.2f} GB/s")
+    groups, models = [], {}
+    for kind in p["models"]:
+        size = C.MODEL_SIZES[args.profile][kind]
+        for loop, jit in p["modes"]:
+            g = run_group(kind, size, p["batch"][kind], loop, jit, p, prog)
+            groups.append(g["result"])
+            if kind not in models and g["param_count"]:
+                floor_bytes = 3 * 4 * g["param_count"]
+                models[kind] = {"size": size, "micro_batch": p["batch"][kind], "param_count": g["param_count"],
+                                "floor_bytes": floor_bytes,
+                                "floor_seconds": floor_bytes / bw["bytes_per_second"]}
+    data = {"benchmark": "overhead", "profile": args.profile, "env": env,
+            "settings": {**p, "inner_optimizer": "adam"}, "bandwidth": bw, "models": models,
+            "groups": groups, "wall_seconds": time.perf_counter() - t_start}
+    # Floor as a fraction of the plain step, per group and N.
+    for g in groups:
+        fs = models[g["model"]]["floor_seconds"]
+        for row in g["rows"]:
+            row["floor_seconds"] = 0.0 if row["n"] == 1 else fs
+            row["floor_over_plain"] = (row["floor_seconds"] / row["plain_s"]["median"]) if row["plain_s"] else None
+    print()
+    print(table(data))
+    out = Path(args.out)
+    jpath = C.write_json(out / "overhead.json", C.clean_floats(data))
+    ppath = plot(data, out / "overhead.png")
+    (out / "overhead.md").write_text(table(data, markdown=True) + "\n")
+    prog.note(f"wrote {jpath}, {ppath}, {out / 'overhead.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
