@@ -245,6 +245,15 @@ def pyplot():
     return plt
 
 
+def write_outputs(out: Path, name: str, data: dict, markdown: str, plot_fn, prog) -> None:
+    """Write ``<name>.json`` (raw figures), ``<name>.png`` and ``<name>.md``."""
+    out = Path(out)
+    jpath = write_json(out / f"{name}.json", clean_floats(data))
+    ppath = plot_fn(data, out / f"{name}.png")
+    (out / f"{name}.md").write_text(markdown + "\n")
+    prog.note(f"wrote {jpath}, {ppath}, {out / f'{name}.md'}")
+
+
 def save_figure(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

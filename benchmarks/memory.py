@@ -415,10 +415,10 @@ def main(argv=None) -> int:
         "models": per_model,
         "wall_seconds": time.perf_counter() - t_start,
     }
-    jpath = C.write_json(out / "memory.json", C.clean_floats(data))
-    ppath = plot(per_model, args.budget_mib, labels, out / "memory.png")
-    (out / "memory.md").write_text(tables(per_model, args.budget_mib, labels, markdown=True) + "\n")
-    prog.note(f"wrote {jpath}, {ppath}, {out / 'memory.md'}")
+    C.write_outputs(
+        out, "memory", data, tables(per_model, args.budget_mib, labels, markdown=True),
+        lambda _data, path: plot(per_model, args.budget_mib, labels, path), prog,
+    )
     return 0
 
 

@@ -322,11 +322,7 @@ def main(argv=None) -> int:
             row["floor_over_plain"] = (row["floor_seconds"] / row["plain_s"]["median"]) if row["plain_s"] else None
     print()
     print(table(data))
-    out = Path(args.out)
-    jpath = C.write_json(out / "overhead.json", C.clean_floats(data))
-    ppath = plot(data, out / "overhead.png")
-    (out / "overhead.md").write_text(table(data, markdown=True) + "\n")
-    prog.note(f"wrote {jpath}, {ppath}, {out / 'overhead.md'}")
+    C.write_outputs(args.out, "overhead", data, table(data, markdown=True), plot, prog)
     return 0
 
 

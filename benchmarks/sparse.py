@@ -339,11 +339,7 @@ def main(argv=None) -> int:
     data["wall_seconds"] = time.perf_counter() - t_start
     print()
     print(table(data))
-    out = Path(args.out)
-    jpath = C.write_json(out / "sparse.json", C.clean_floats(data))
-    ppath = plot(data, out / "sparse.png")
-    (out / "sparse.md").write_text(table(data, markdown=True) + "\n")
-    prog.note(f"wrote {jpath}, {ppath}, {out / 'sparse.md'}")
+    C.write_outputs(args.out, "sparse", data, table(data, markdown=True), plot, prog)
     return 0
 
 
