@@ -62,6 +62,13 @@ def add_profile_args(parser: argparse.ArgumentParser, default_out: str = "bench_
     parser.add_argument("--out", default=default_out, help=f"output folder (default: {default_out})")
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--models, --batch and --n, shared by the dense-model benchmarks."""
+    parser.add_argument("--models", type=parse_str_list, help="comma list of cnn,transformer")
+    parser.add_argument("--batch", type=int, help="micro-batch size B for every model")
+    parser.add_argument("--n", type=parse_int_list, help="comma list of accumulation steps N")
+
+
 def parse_int_list(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 

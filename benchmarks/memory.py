@@ -345,9 +345,7 @@ def plot(per_model: dict, budget_mib: float | None, labels: dict, path: Path) ->
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_profile_args(parser)
-    parser.add_argument("--models", type=C.parse_str_list, help="comma list of cnn,transformer")
-    parser.add_argument("--batch", type=int, help="micro-batch size B for every model")
-    parser.add_argument("--n", type=C.parse_int_list, help="comma list of accumulation steps N")
+    C.add_model_args(parser)
     parser.add_argument("--budget-mib", type=float, default=None,
                         help="memory budget: GPU memory limit (real OOM) / CPU 'over budget' mark")
     parser.add_argument("--jobs", type=int, help="workers run at once on the CPU (memory figures are "

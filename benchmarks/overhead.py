@@ -267,9 +267,7 @@ def plot(data: dict, path: Path) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_profile_args(parser)
-    parser.add_argument("--models", type=C.parse_str_list, help="comma list of cnn,transformer")
-    parser.add_argument("--batch", type=int, help="micro-batch size B for every model")
-    parser.add_argument("--n", type=C.parse_int_list, help="comma list of accumulation steps N")
+    C.add_model_args(parser)
     parser.add_argument("--modes", type=C.parse_str_list,
                         help="comma list of custom-jit-off,custom-jit-on,fit-jit-off,fit-jit-on")
     parser.add_argument("--rounds", type=int, help="interleaved rounds")
