@@ -1,52 +1,103 @@
-"""The accumulation algorithm, in one place.
+"""The accumulation algorithm, in one place, for every optimizer family.
 
-Every adapter (the Keras 3 optimizer in :mod:`accum_optimizer.keras_optimizer`
-today; Keras 2, tensorflow-addons and TF1 graph code later) runs the same
-micro-step, written here once against a small :class:`StateOps` protocol:
+Each family (Keras 3 in :mod:`accum_optimizer.keras3`; Keras 2, legacy
+``OptimizerV2`` / tensorflow-addons and TF1 graph code beside it) is a thin
+adapter: it owns the variables, supplies a :class:`Backend` (how to assign,
+assign-add, scatter-update and branch in its world) and a function that calls
+its inner optimizer once, and calls :func:`micro_step`. The whole algorithm is
+:func:`micro_step`; one call is one micro-step:
 
-1. ``acc_grads[i] += grads[i]`` for every gradient that is not ``None``
-   (a scatter-add for sparse ``tf.IndexedSlices`` gradients, never a
-   densification), and ``grad_received[i] = 1`` for those variables.
+1. ``acc_grads[i] += grads[i]`` for every gradient that is not ``None`` (a
+   scatter-add for ``tf.IndexedSlices``, never a densification), and
+   ``grad_received[i] = 1`` for those variables. Where the family tracks
+   touched rows, ``touched_rows[i][indices] = 1``.
 2. ``micro_steps += 1``.
-3. If ``micro_steps % gradient_accumulation_steps == 0`` (the last micro-step of
-   a window), hand ``window_gradient(acc_grads[i])`` to the inner optimizer
-   once, gated per variable by ``grad_received[i]``, then zero ``acc_grads``
-   (:func:`reset`) and ``grad_received``. Otherwise do nothing else: the model weights and
-   every inner-optimizer variable stay bitwise untouched.
+3. If ``micro_steps % gradient_accumulation_steps == 0`` (the last micro-step
+   of a window): call the inner optimizer once with the window's gradient
+   (:func:`window_gradient`: the sum, divided by N for ``"mean"``), gated per
+   variable by ``grad_received``, then zero the accumulators and
+   ``grad_received``. Otherwise nothing else happens: the model weights and
+   every variable of the inner optimizer stay bitwise untouched.
 
-The names follow optax's ``MultiSteps``: ``acc_grads`` are the accumulator
+Every write of a micro-step (steps 1-3) waits for that micro-step's gradients
+(a control dependency on them). Without it, a traced step whose input
+pipeline ends (``OutOfRange`` from a dataset of unknown length, which Keras
+hits once per epoch) would still run the counter writes, which have no data
+dependency on the gradients: a phantom micro-step per epoch.
+
+State names follow optax's ``MultiSteps``: ``acc_grads`` are the accumulator
 slots, ``micro_steps`` counts micro-steps (optax's ``mini_step`` is
 ``micro_steps % gradient_accumulation_steps``), and the inner optimizer's
 ``iterations`` counts updates (optax's ``gradient_step``).
 
-The functions are pure in the sense that all state lives in the variables
-passed in; what "assign" and "cond" mean is the adapter's business, so the
-same code runs eagerly, inside ``tf.function``, under XLA and in each replica
-of a ``tf.distribute`` strategy.
+All families run on TensorFlow, so the arithmetic here is ``tf``; what
+"assign" and "cond" mean (Keras 3 variables in a ``tf.function``, TF1 graph
+ops that must be ordered by hand, replica-local variables under
+``tf.distribute``) is the adapter's business.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+import tensorflow as tf
 
 REDUCTIONS = ("mean", "sum")
 
 
-class StateOps(Protocol):
-    """What the algorithm needs from a backend adapter.
+class Backend(Protocol):
+    """What the algorithm needs from a family's adapter.
 
-    ``assign_add`` must turn a sparse value (``tf.IndexedSlices``) into a
-    scatter-add on the variable; that is what keeps sparse accumulation
-    sparse. Keras 3's ``Optimizer.assign_add`` does exactly this on the
-    TensorFlow backend.
+    Each method may return the op or tensor it created (TF1 graph code needs
+    them to order the steps; the returned values are used only as control
+    dependencies) or ``None`` (eager and ``tf.function`` code is ordered by
+    TensorFlow's automatic control dependencies).
     """
 
-    def assign(self, variable: Any, value: Any) -> None: ...
+    def assign(self, variable: Any, value: Any) -> Any:
+        """``variable = value``."""
 
-    def assign_add(self, variable: Any, value: Any) -> None: ...
+    def assign_add(self, variable: Any, value: Any) -> Any:
+        """``variable += value``; a ``tf.IndexedSlices`` value must become a
+        scatter-add on the variable (that keeps sparse accumulation sparse)."""
+
+    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
+        """``variable[indices] = updates`` along the first axis (only called
+        when the family tracks touched rows)."""
+
+    def cond(self, pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        """Run ``true_fn`` if the boolean scalar ``pred`` holds, else
+        ``false_fn``. Both return ``None`` (or ops, for TF1)."""
 
 
+@dataclasses.dataclass
+class WindowState:
+    """The variables of one accumulation window, owned by the adapter.
+
+    Attributes:
+        acc_grads: one accumulator per trainable variable (in build order),
+            its shape and dtype.
+        micro_steps: int64 scalar, micro-steps taken (units: micro-steps).
+        grad_received: int64 vector ``(num_variables,)``, 1 where a variable
+            has had a gradient in the current window.
+        touched_rows: per variable, an int8 vector ``(shape[0],)`` marking the
+            rows a sparse gradient touched in this window (``shape[0]`` bytes:
+            1/(4·row width) of a float32 accumulator), or ``None`` where the
+            family hands the inner optimizer a dense window gradient.
+    """
+
+    acc_grads: Sequence[Any]
+    micro_steps: Any
+    grad_received: Any
+    touched_rows: Sequence[Any] | None = None
+
+    def rows_tracker(self, i: int) -> Any:
+        return None if self.touched_rows is None else self.touched_rows[i]
+
+
+# ------------------------------------------------------------------ checks
 def validate_gradient_accumulation_steps(value: Any) -> int:
     """Return ``value`` as an ``int`` >= 1 or raise.
 
@@ -84,38 +135,79 @@ def validate_reduction(value: Any) -> str:
     return value
 
 
-def is_update_step(micro_steps: Any, gradient_accumulation_steps: int, ops: Any) -> Any:
-    """Boolean scalar: does the micro-step just counted close a window?
-
-    ``micro_steps`` is the count *after* incrementing (int64 scalar tensor).
-    ``ops`` is ``keras.ops`` (or any namespace with ``equal`` and ``mod``).
-    """
-    return ops.equal(ops.mod(micro_steps, gradient_accumulation_steps), 0)
-
-
-def window_gradient(acc: Any, gradient_accumulation_steps: int, reduction: str, ops: Any) -> Any:
-    """The gradient one update applies, from one accumulator slot.
-
-    ``mean``: ``acc / N``. For a loss that is a mean over its micro-batch of B
-    samples this is exactly the gradient of the mean loss over the N*B samples
-    of the window (micro-steps where the variable had no gradient contribute
-    zero, as the missing samples' terms do in the large batch).
-    ``sum``: ``acc``, the recipe of summing micro-batch gradients.
-    """
-    if reduction == "sum" or gradient_accumulation_steps == 1:
-        return acc
-    return ops.divide(acc, ops.cast(gradient_accumulation_steps, acc.dtype))
-
-
-def accumulate(
-    state_ops: StateOps,
-    acc_grads: Sequence[Any],
+# ------------------------------------------------------------ the algorithm
+def micro_step(
+    backend: Backend,
+    state: WindowState,
     grads: Sequence[Any],
-) -> None:
-    """Step 1: ``acc_grads[i] += grads[i]`` for each gradient that is not None."""
-    for acc, grad in zip(acc_grads, grads):
-        if grad is not None:
-            state_ops.assign_add(acc, grad)
+    apply_inner: Callable[[list, dict], Any],
+    gradient_accumulation_steps: int,
+    reduction: str,
+    each_replica: Callable[..., Any] | None = None,
+) -> Any:
+    """One micro-step: accumulate, count, and on a window's last micro-step update.
+
+    Args:
+        backend: the family's :class:`Backend`.
+        state: the window's variables.
+        grads: one entry per variable of ``state`` (build order): a dense
+            tensor of the variable's shape, a ``tf.IndexedSlices``, or
+            ``None``. Under ``tf.distribute`` in cross-replica context, the
+            per-replica values.
+        apply_inner: ``apply_inner(window_grads, gates)`` calls the inner
+            optimizer once with one window gradient per variable (dense, or
+            ``tf.IndexedSlices`` over the touched rows). ``gates`` maps the
+            index of each variable without a gradient on *this* micro-step to
+            a boolean scalar, true iff it had one earlier in the window; the
+            adapter must skip every update of a variable whose gate is false
+            (its weight, slots, weight decay and constraint).
+        gradient_accumulation_steps: N (> 1), micro-steps per window.
+        reduction: ``"mean"`` or ``"sum"``.
+        each_replica: ``each_replica(fn, *args)`` runs ``fn`` in every replica
+            (``call_for_each_replica``); default: call it here.
+
+    Returns:
+        What ``backend.cond`` returns (an op for TF1 graph code).
+    """
+    each_replica = each_replica or _call
+    mask = received_mask(grads)
+    sparse = [
+        isinstance(_local(g), tf.IndexedSlices) and state.rows_tracker(i) is not None
+        for i, g in enumerate(grads)
+    ]
+    with tf.control_dependencies(gradient_tensors(grads)):
+        accumulated = each_replica(accumulate, backend, state, grads)
+        with tf.control_dependencies(_ops(accumulated)):
+            counted = count_micro_step(backend, state, mask)
+        with tf.control_dependencies(_ops(counted)):
+
+            def update() -> Any:
+                applied = each_replica(apply_window, backend, state, sparse, mask, apply_inner,
+                                       gradient_accumulation_steps, reduction)
+                with tf.control_dependencies(_ops(applied)):
+                    return backend.assign(state.grad_received, tf.zeros_like(state.grad_received))
+
+            return backend.cond(
+                is_update_step(state.micro_steps, gradient_accumulation_steps), update, _noop
+            )
+
+
+def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any]) -> list:
+    """Step 1: ``acc_grads[i] += grads[i]`` for each gradient that is not None,
+    and mark the rows it touched where rows are tracked."""
+    done = []
+    for i, (acc, grad) in enumerate(zip(state.acc_grads, grads)):
+        if grad is None:
+            continue
+        done.append(backend.assign_add(acc, grad))
+        rows = state.rows_tracker(i)
+        if rows is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices):
+            done.append(backend.scatter_update(rows, grad.indices, tf.ones_like(grad.indices, rows.dtype)))
+        else:  # a dense gradient touches every row
+            done.append(backend.assign(rows, tf.fill(tf.shape(rows), tf.constant(1, rows.dtype))))
+    return done
 
 
 def received_mask(grads: Sequence[Any]) -> list[int]:
@@ -123,25 +215,75 @@ def received_mask(grads: Sequence[Any]) -> list[int]:
     return [0 if g is None else 1 for g in grads]
 
 
-def count_micro_step(
-    state_ops: StateOps,
-    micro_steps: Any,
-    grad_received: Any,
-    mask: Sequence[int],
-    ops: Any,
-) -> None:
+def count_micro_step(backend: Backend, state: WindowState, mask: Sequence[int]) -> list:
     """Step 2: ``micro_steps += 1`` and ``grad_received |= mask``."""
-    state_ops.assign_add(micro_steps, ops.cast(1, micro_steps.dtype))
+    done = [backend.assign_add(state.micro_steps, tf.constant(1, state.micro_steps.dtype))]
+    received = state.grad_received
     if all(mask):
-        state_ops.assign(grad_received, ops.ones_like(grad_received))
+        done.append(backend.assign(received, tf.ones_like(received)))
     elif any(mask):
-        state_ops.assign(
-            grad_received,
-            ops.maximum(grad_received, ops.convert_to_tensor(mask, dtype=grad_received.dtype)),
-        )
+        done.append(backend.assign(received, tf.maximum(received, tf.constant(mask, received.dtype))))
+    return done
 
 
-def runtime_zero(micro_steps: Any, ops: Any) -> Any:
+def is_update_step(micro_steps: Any, gradient_accumulation_steps: int) -> Any:
+    """Boolean scalar: does the micro-step just counted close a window?
+    ``micro_steps`` is the count *after* incrementing."""
+    return tf.equal(tf.math.floormod(tf.convert_to_tensor(micro_steps), gradient_accumulation_steps), 0)
+
+
+def apply_window(
+    backend: Backend,
+    state: WindowState,
+    sparse: Sequence[bool],
+    mask: Sequence[int],
+    apply_inner: Callable[[list, dict], Any],
+    gradient_accumulation_steps: int,
+    reduction: str,
+) -> list:
+    """Step 3 (in each replica): the inner update with the window's
+    gradients, then the accumulators zeroed."""
+    rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
+    window = [
+        window_gradient(acc, gradient_accumulation_steps, reduction, r)
+        for acc, r in zip(state.acc_grads, rows)
+    ]
+    gates = {i: tf.greater(state.grad_received[i], 0) for i, m in enumerate(mask) if not m}
+    applied = apply_inner(window, gates)
+    with tf.control_dependencies(_ops(applied)):
+        return reset(backend, state, rows, runtime_zero(state.micro_steps))
+
+
+def touched_rows(tracker: Any) -> Any:
+    """int64 vector: the rows marked in ``tracker``, ascending, each once."""
+    return tf.reshape(tf.where(tf.convert_to_tensor(tracker) > 0), [-1])
+
+
+def window_gradient(acc: Any, gradient_accumulation_steps: int, reduction: str, rows: Any = None) -> Any:
+    """The gradient one update applies, from one accumulator slot.
+
+    ``mean``: ``acc / N``. For a loss that is a mean over its micro-batch of B
+    samples this is exactly the gradient of the mean loss over the N*B samples
+    of the window (micro-steps where the variable had no gradient contribute
+    zero, as the missing samples' terms do in the large batch).
+    ``sum``: ``acc``, the recipe of summing micro-batch gradients.
+
+    With ``rows`` (int64 vector of touched rows), a ``tf.IndexedSlices`` over
+    those rows, each once: what a lazy sparse optimizer must see to match the
+    large batch trained on its own sparse gradient.
+    """
+    if rows is None:
+        value = tf.convert_to_tensor(acc)
+    else:
+        value = tf.gather(acc, rows)
+    if reduction == "mean" and gradient_accumulation_steps != 1:
+        value = value / tf.cast(gradient_accumulation_steps, value.dtype)
+    if rows is None:
+        return value
+    return tf.IndexedSlices(value, rows, dense_shape=tf.constant(_static_shape(acc), tf.int64))
+
+
+def runtime_zero(micro_steps: Any) -> Any:
     """A scalar 0 that graph optimizers cannot fold into a constant.
 
     ``assign(acc, zeros(shape))`` with a constant 0 gets constant-folded by
@@ -151,12 +293,69 @@ def runtime_zero(micro_steps: Any, ops: Any) -> Any:
     ``max(min(micro_steps, 0), 0)`` is 0 for every integer but is only known
     when the step runs.
     """
-    return ops.maximum(ops.minimum(micro_steps, 0), 0)
+    micro_steps = tf.convert_to_tensor(micro_steps)
+    return tf.maximum(tf.minimum(micro_steps, 0), 0)
 
 
-def reset(state_ops: StateOps, acc_grads: Sequence[Any], zero: Any, ops: Any) -> None:
-    """Step 3b: zero the accumulator slots (``zero`` from :func:`runtime_zero`)."""
-    for acc in acc_grads:
-        state_ops.assign(acc, ops.full(acc.shape, ops.cast(zero, acc.dtype)))
+def reset(backend: Backend, state: WindowState, rows: Sequence[Any], zero: Any) -> list:
+    """Zero the accumulators (only the touched rows where ``rows[i]`` is
+    given, and their marks), with ``zero`` from :func:`runtime_zero`."""
+    done = []
+    for i, (acc, r) in enumerate(zip(state.acc_grads, rows)):
+        if r is None:
+            done.append(backend.assign(acc, tf.fill(tf.shape(acc), tf.cast(zero, acc.dtype))))
+            tracker = state.rows_tracker(i)
+            if tracker is not None:
+                done.append(backend.assign(tracker, tf.fill(tf.shape(tracker), tf.cast(zero, tracker.dtype))))
+            continue
+        n_rows = tf.shape(r)[:1]
+        row_shape = tf.constant(_static_shape(acc)[1:], tf.int32)
+        zeros = tf.fill(tf.concat([n_rows, row_shape], 0), tf.cast(zero, acc.dtype))
+        done.append(backend.scatter_update(acc, r, zeros))
+        tracker = state.rows_tracker(i)
+        done.append(backend.scatter_update(tracker, r, tf.fill(n_rows, tf.cast(zero, tracker.dtype))))
+    return done
 
 
+# ------------------------------------------------------------------ helpers
+def _static_shape(variable: Any) -> list[int]:
+    """A variable's shape as ints (variables always have a static shape)."""
+    return [int(d) for d in variable.shape]
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _local(value: Any) -> Any:
+    """One replica's value of a per-replica value (the value itself otherwise)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value.values[0]
+    return value
+
+
+def _noop() -> Any:
+    return None
+
+
+def _ops(values: Any) -> list:
+    """The ops and tensors among ``values`` (nested; what a TF1 backend
+    returns), for control dependencies. ``None`` and anything else is left
+    out: eager and ``tf.function`` code needs no explicit ordering."""
+    found = []
+    for v in tf.nest.flatten(values):
+        if isinstance(v, (tf.Operation, tf.Tensor)):
+            found.append(v)
+        elif isinstance(getattr(v, "op", None), tf.Operation):
+            found.append(v.op)
+    return found
+
+
+def gradient_tensors(grads: Sequence[Any]) -> list:
+    """Every tensor behind ``grads`` (IndexedSlices and per-replica values
+    expanded), for the control dependency that orders each write of the
+    micro-step after its gradients exist. Empty in eager mode."""
+    if tf.executing_eagerly():
+        return []
+    flat = tf.nest.flatten([g for g in grads if g is not None], expand_composites=True)
+    return [t for t in flat if isinstance(t, tf.Tensor)]

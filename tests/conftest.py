@@ -9,6 +9,9 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# TensorFlow's BFC allocator on the CPU keeps the statistics that
+# `tf.config.experimental.get_memory_info("CPU:0")` reads (test_sparse).
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import tensorflow as tf  # noqa: E402
 

@@ -409,25 +409,22 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
 
+        import tensorflow as tf
+
         if self.gradient_accumulation_steps == 1:
-            self.inner_optimizer.apply(grads, trainable_variables)
-            self.assign_add(self.micro_steps, 1)
+            # Pass-through; its writes, too, wait for the gradients (see
+            # `_accumulation`: a phantom call at the end of an input of
+            # unknown length must not count).
+            with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
+                self.inner_optimizer.apply(grads, trainable_variables)
+                self.assign_add(self.micro_steps, 1)
             return
         # Put the gradients in build order; variables absent from this call
         # get None (no contribution this micro-step).
         full = [None] * len(self._trainable_variables)
         for g, v in zip(grads, trainable_variables):
             full[self._get_variable_index(v)] = g
-        if keras.backend.backend() == "tensorflow":
-            self._tf_apply(full)
-        else:
-            self._common_apply(full)
-
-    def _common_apply(self, grads: list) -> None:
-        """The micro-step on one device, or in one replica of a strategy
-        that needs no ``merge_call``."""
-        self._replica_accumulate(grads)
-        self._count_and_maybe_update(acc_lib.received_mask(grads), self._replica_update)
+        self._tf_apply(full)
 
     def _tf_apply(self, grads: list) -> None:
         """TensorFlow path: the only place that knows about ``tf.distribute``.
@@ -441,7 +438,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         its local (``ON_READ``) slots; the counters move once; and on update
         steps each replica hands its local window gradient to the inner
         optimizer, whose usual all-reduce is the one cross-replica reduction
-        of the window.
+        of the window. Strategies that need no ``merge_call`` run the
+        micro-step in each replica directly.
         """
         import tensorflow as tf
 
@@ -458,82 +456,65 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             else tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{_op_name(_path(v))}")
             for g, v in zip(grads, self._trainable_variables)
         ]
-        with tf.control_dependencies([g for g, h in zip(checked, grads) if g is not h]):
-            if not tf.distribute.has_strategy() or (
-                tf.__internal__.distribute.strategy_supports_no_merge_call()
-            ):
-                self._common_apply(checked)
-                return
-            tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
+        if not tf.distribute.has_strategy() or (
+            tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            self._micro_step(checked)
+            return
+        tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
 
     def _cross_replica_step(self, distribution: Any, grads: list) -> None:
         # Runs once, in cross-replica context, for all replicas (`grads` holds
         # per-replica values; which are None is the same in every replica).
-        distribution.extended.call_for_each_replica(self._replica_accumulate, args=(grads,))
-        self._count_and_maybe_update(
-            acc_lib.received_mask(grads),
-            lambda: distribution.extended.call_for_each_replica(self._replica_update),
+        def each_replica(fn, *args):
+            return distribution.extended.call_for_each_replica(fn, args=args)
+
+        self._micro_step(grads, each_replica)
+
+    def _micro_step(self, grads: list, each_replica: Any = None) -> None:
+        acc_lib.micro_step(
+            _KerasBackend(self),
+            acc_lib.WindowState(self.acc_grads, self.micro_steps, self.grad_received),
+            grads,
+            self._apply_inner,
+            self.gradient_accumulation_steps,
+            self.reduction,
+            each_replica,
         )
 
-    # --------------------------------------------- pieces of one micro-step
-    def _replica_accumulate(self, grads: list) -> None:
-        acc_lib.accumulate(self, self.acc_grads, grads)
-
-    def _count_and_maybe_update(self, mask: list[int], run_update: Any) -> None:
-        acc_lib.count_micro_step(self, self.micro_steps, self.grad_received, mask, ops)
-
-        def update() -> None:
-            with self._gate_inner_updates(mask):
-                run_update()
-            self.assign(self.grad_received, ops.zeros_like(self.grad_received))
-
-        ops.cond(
-            acc_lib.is_update_step(self.micro_steps, self.gradient_accumulation_steps, ops),
-            update,
-            lambda: None,
-        )
-
-    def _replica_update(self) -> None:
-        window_grads = [
-            acc_lib.window_gradient(a, self.gradient_accumulation_steps, self.reduction, ops)
-            for a in self.acc_grads
-        ]
-        self.inner_optimizer.apply(window_grads, self._trainable_variables)
-        acc_lib.reset(self, self.acc_grads, acc_lib.runtime_zero(self.micro_steps, ops), ops)
+    def _apply_inner(self, window_grads: list, gates: dict) -> None:
+        with self._gate_inner_updates(gates):
+            self.inner_optimizer.apply(window_grads, self._trainable_variables)
 
     @contextlib.contextmanager
-    def _gate_inner_updates(self, mask: list[int]):
+    def _gate_inner_updates(self, gates: dict):
         """Skip, per variable, the inner update of variables that had no
         gradient in the window.
 
-        ``mask[i] == 1`` means variable ``i`` has a gradient on this
-        micro-step, so it certainly had one in the window; those run as usual.
-        For the others, whether they had one is known only at run time
-        (``grad_received[i]``), so their three inner-optimizer mutations
-        (``update_step``, weight decay, the variable's constraint) run under
-        an ``ops.cond`` on it, in the inner optimizer and in any optimizers it
-        delegates to (``MultiOptimizer.optimizers``). Global state
-        (``iterations``, EMA over all variables, Nadam's momentum product)
-        moves once per update, as in the large-batch reference.
+        ``gates`` (from :func:`_accumulation.micro_step`) holds, for each
+        variable without a gradient on this micro-step, a boolean that is true
+        iff it had one earlier in the window. For those variables the three
+        inner-optimizer mutations (``update_step``, weight decay, the
+        variable's constraint) run under an ``ops.cond`` on it, in the inner
+        optimizer and in any optimizers it delegates to
+        (``MultiOptimizer.optimizers``). Global state (``iterations``, EMA over
+        all variables, Nadam's momentum product) moves once per update, as in
+        the large-batch reference.
         """
-        gated = [i for i, m in enumerate(mask) if not m]
-        if not gated:
+        if not gates:
             yield
             return
-        gates = {
-            self._var_key(self._trainable_variables[i]): ops.greater(self.grad_received[i], 0)
-            for i in gated
-        }
+        gates = {self._var_key(self._trainable_variables[i]): g for i, g in gates.items()}
         patched = []
         for opt in _optimizer_tree(self.inner_optimizer):
             patched.append(opt)
             object.__setattr__(opt, "update_step", _gated_update_step(opt, gates))
             object.__setattr__(opt, "_apply_weight_decay", _gated_weight_decay(opt, gates))
         constrained = []
-        for i in gated:
-            v = self._trainable_variables[i]
-            if getattr(v, "constraint", None) is not None:
-                gate, c = gates[self._var_key(v)], v.constraint
+        for v in self._trainable_variables:
+            gate = gates.get(self._var_key(v))
+            if gate is not None and getattr(v, "constraint", None) is not None:
+                c = v.constraint
                 constrained.append((v, c))
                 v.constraint = lambda x, gate=gate, c=c: ops.cond(gate, lambda: c(x), lambda: x)
         try:
@@ -561,6 +542,29 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+class _KerasBackend:
+    """:class:`_accumulation.Backend` for Keras 3 on TensorFlow: the
+    optimizer's own ``assign``/``assign_add`` (``IndexedSlices`` become
+    scatter ops) and ``keras.ops.cond``."""
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer) -> None:
+        self._opt = optimizer
+
+    def assign(self, variable: Any, value: Any) -> None:
+        self._opt.assign(variable, value)
+
+    def assign_add(self, variable: Any, value: Any) -> None:
+        self._opt.assign_add(variable, value)
+
+    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> None:
+        import tensorflow as tf
+
+        self._opt.assign(variable, tf.IndexedSlices(updates, indices))
+
+    def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> None:
+        ops.cond(pred, lambda: _none(true_fn()), lambda: _none(false_fn()))
 
 
 def _none(_: Any) -> None:

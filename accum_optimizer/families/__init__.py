@@ -1,0 +1,6 @@
+"""One module per optimizer family; each is a thin adapter over
+:mod:`accum_optimizer._accumulation` and defines ``AccumulatingOptimizer``,
+an instance of that family's optimizer base class.
+
+* :mod:`~accum_optimizer.families.keras3`: Keras 3 (``keras.optimizers``).
+"""
