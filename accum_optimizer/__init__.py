@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accum_optimizer import _dispatch
+from accum_optimizer import _accumulation, _dispatch
 
 __all__ = ["AccumulatingOptimizer", "__version__"]
 __version__ = "0.2.0.dev0"
@@ -25,7 +25,10 @@ class _DispatchByFamily(type):
     """``AccumulatingOptimizer(...)`` builds the family's wrapper, and
     ``isinstance(x, AccumulatingOptimizer)`` holds for every family's."""
 
-    def __call__(cls, inner_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls, inner_optimizer: Any = _accumulation.REQUIRED, *args: Any, **kwargs: Any) -> Any:
+        if inner_optimizer is _accumulation.REQUIRED:
+            _accumulation.check_arguments(inner_optimizer, None, {
+                k: v for k, v in kwargs.items() if k not in _accumulation.ARGUMENTS})
         if isinstance(inner_optimizer, (str, dict)):
             inner_optimizer = _dispatch.resolve_identifier(inner_optimizer)
         return _dispatch.family_of(inner_optimizer).wrapper()(inner_optimizer, *args, **kwargs)

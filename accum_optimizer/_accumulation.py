@@ -98,6 +98,47 @@ class WindowState:
 
 
 # ------------------------------------------------------------------ checks
+class _Required:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED: Any = _Required()
+"""Default of the wrappers' required arguments, so that a missing one gets
+:func:`check_arguments`' message rather than Python's."""
+
+ARGUMENTS = ("inner_optimizer", "gradient_accumulation_steps", "reduction", "name")
+
+
+def check_arguments(inner_optimizer: Any, gradient_accumulation_steps: Any, unknown: dict) -> None:
+    """Raise ``TypeError`` for unknown keyword arguments (naming the close
+    match, e.g. ``steps`` -> ``gradient_accumulation_steps``) and for a
+    missing ``inner_optimizer`` or ``gradient_accumulation_steps``."""
+    if unknown:
+        import difflib
+
+        received = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
+        hints = []
+        for key in sorted(unknown):
+            close = difflib.get_close_matches(key, ARGUMENTS, n=1, cutoff=0.3)
+            close = close or [a for a in ARGUMENTS if key in a]
+            if close:
+                hints.append(f"`{key}` -> `{close[0]}`")
+        hint = f" Did you mean {', '.join(hints)}?" if hints else ""
+        raise TypeError(
+            "AccumulatingOptimizer got unexpected keyword argument(s): "
+            f"{received}. Accepted: {', '.join(ARGUMENTS)}.{hint}"
+        )
+    for arg, value in (("inner_optimizer", inner_optimizer),
+                       ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if value is REQUIRED:
+            raise TypeError(
+                f"AccumulatingOptimizer is missing the required argument `{arg}`: "
+                "AccumulatingOptimizer(inner_optimizer, gradient_accumulation_steps, "
+                "reduction='mean', name=None), e.g. AccumulatingOptimizer("
+                "keras.optimizers.Adam(1e-3), gradient_accumulation_steps=4)."
+            )
+
 def validate_gradient_accumulation_steps(value: Any) -> int:
     """Return ``value`` as an ``int`` >= 1 or raise.
 

@@ -38,3 +38,21 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def strategy():
+    """One 2-replica MirroredStrategy for the whole session.
+
+    Two strategy objects over the same devices in one process can hand out
+    the same collective group and instance keys, and their all-reduces then
+    fail with "Shape mismatch in the collective instance": every test module
+    shares this one.
+    """
+    assert len(tf.config.list_logical_devices("CPU")) >= 2, "two logical CPUs are configured above"
+    s = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert s.num_replicas_in_sync == 2
+    return s

@@ -85,6 +85,33 @@ def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
     return inner_optimizer
 
 
+def _forwarded(name: str, writable: bool = True) -> property:
+    """A property answered by the inner optimizer (``AttributeError`` where it
+    has no such attribute, so ``hasattr`` tells the truth). Before the inner
+    optimizer is set (inside Keras' base ``__init__``), values are kept aside
+    and never reach it: they are the base class's defaults for the wrapper."""
+
+    def fget(self: Any) -> Any:
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None:
+            try:
+                return self.__dict__["_before_inner"][name]
+            except KeyError:
+                raise AttributeError(name) from None
+        return getattr(inner, name)
+
+    def fset(self: Any, value: Any) -> None:
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None:
+            self.__dict__.setdefault("_before_inner", {})[name] = value
+        elif writable:
+            setattr(inner, name, value)
+        else:
+            raise AttributeError(f"`{name}` belongs to the inner optimizer; set it there.")
+
+    return property(fget, fset, doc=f"The inner optimizer's ``{name}``.")
+
+
 @keras.saving.register_keras_serializable(package="accum_optimizer")
 class AccumulatingOptimizer(keras.optimizers.Optimizer):
     """Accumulate gradients over micro-batches, update once per window.
@@ -144,8 +171,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        inner_optimizer: Any,
-        gradient_accumulation_steps: int,
+        inner_optimizer: Any = acc_lib.REQUIRED,
+        gradient_accumulation_steps: int = acc_lib.REQUIRED,
         reduction: str = "mean",
         name: str | None = None,
         **kwargs: Any,
@@ -156,8 +183,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 f"for now; this Keras runs the {keras.backend.backend()!r} "
                 "backend (KERAS_BACKEND). Use KERAS_BACKEND=tensorflow."
             )
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
-        reduction = acc_lib.validate_reduction(reduction)
         for arg, default in _INNER_ONLY_ARGS.items():
             if arg not in kwargs:
                 continue
@@ -169,13 +194,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     f"keras.optimizers.Adam({arg}=...), where it acts once "
                     "per update on the window's gradient."
                 )
-        if kwargs:
-            received = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
-            raise TypeError(
-                "AccumulatingOptimizer got unexpected keyword argument(s): "
-                f"{received}. Accepted: inner_optimizer, "
-                "gradient_accumulation_steps, reduction, name."
-            )
+        acc_lib.check_arguments(inner_optimizer, gradient_accumulation_steps, kwargs)
+        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        reduction = acc_lib.validate_reduction(reduction)
         inner = _resolve_inner(inner_optimizer)
 
         super().__init__(learning_rate=0.0, name=name)
@@ -184,10 +205,39 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         # (and so the saved state) leaves them out.
         self._unused_base_variables = (self._iterations, self._learning_rate)
         self.inner_optimizer = inner
-        # Set after `super().__init__` so Keras' own accumulation stays off.
-        self.gradient_accumulation_steps = steps
+        # Set after `super().__init__` so Keras' own accumulation stays off;
+        # read-only from here on (see the property).
+        object.__setattr__(self, "_gradient_accumulation_steps", steps)
         self.reduction = reduction
         self._deferred_state: dict[str, np.ndarray] | None = None
+        # Like Keras' `iterations`, the micro-step counter exists before
+        # `build`, so that restoring it (load_weights before the first step)
+        # shows at once.
+        with keras.name_scope(self.name, caller=self):
+            # (Tracked by the attribute assignment, as Keras tracks variables.)
+            self.micro_steps = keras.Variable(
+                0, name="micro_steps", dtype="int", trainable=False, aggregation="only_first_replica"
+            )
+
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        """N, micro-steps per update (read-only: fixed at construction)."""
+        return self.__dict__.get("_gradient_accumulation_steps")
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: Any) -> None:
+        if "_gradient_accumulation_steps" not in self.__dict__:
+            # Keras' base __init__ sets its own (None: built-in accumulation off).
+            if value is None:
+                return
+        raise AttributeError(
+            "`gradient_accumulation_steps` is read-only after construction "
+            f"(it is {self.gradient_accumulation_steps}; received {value!r}): "
+            "a traced train step has already fixed the window length, and "
+            "changing it would drop or mis-scale the partial window. Create a "
+            "new AccumulatingOptimizer(inner_optimizer, gradient_accumulation_steps=...) "
+            "instead."
+        )
 
     # ------------------------------------------------------------------ state
     def build(self, var_list: Sequence[Any]) -> None:
@@ -200,7 +250,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         """
         var_list = list(var_list)
         for v in var_list:
-            if self._overwrite_variable_with_gradient(v):
+            if self.gradient_accumulation_steps > 1 and self._overwrite_variable_with_gradient(v):
                 raise ValueError(
                     "AccumulatingOptimizer does not support variables with "
                     f"`overwrite_with_gradient=True` (received {_path(v)!r}); "
@@ -214,9 +264,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         }
         object.__setattr__(self, "_trainable_variables", var_list[:])
         with keras.name_scope(self.name, caller=self):
-            self.micro_steps = self.add_variable(
-                shape=(), dtype="int", aggregation="only_first_replica", name="micro_steps"
-            )
             if self.gradient_accumulation_steps > 1:
                 self.grad_received = self.add_variable(
                     shape=(len(var_list),),
@@ -294,6 +341,24 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def scale_loss(self, loss: Any) -> Any:
         return self.inner_optimizer.scale_loss(loss)
 
+    # What Keras' own code reads (or writes) on whatever optimizer it is given,
+    # unwrapping `inner_optimizer` at most once (LossScaleOptimizer, the
+    # callbacks): answered by the inner optimizer, which owns them.
+    # LossScaleOptimizer: `inner_optimizer.loss_scale_factor = None`;
+    # SwapEMAWeights: `use_ema`, `_model_variables_moving_average`;
+    # LearningRateScheduler, ReduceLROnPlateau, TensorBoard: `optimizers`
+    # (MultiOptimizer), `learning_rate`; `iterations` above.
+    use_ema = _forwarded("use_ema")
+    ema_momentum = _forwarded("ema_momentum")
+    ema_overwrite_frequency = _forwarded("ema_overwrite_frequency")
+    loss_scale_factor = _forwarded("loss_scale_factor")
+    clipnorm = _forwarded("clipnorm")
+    global_clipnorm = _forwarded("global_clipnorm")
+    clipvalue = _forwarded("clipvalue")
+    weight_decay = _forwarded("weight_decay")
+    _model_variables_moving_average = _forwarded("_model_variables_moving_average", writable=False)
+    optimizers = _forwarded("optimizers", writable=False)
+
     def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
         """Forwarded to the inner optimizer, which owns the weight decay."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
@@ -343,6 +408,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             return  # weights saved without optimizer state: nothing to restore
         if not self.built:
             self._deferred_state = {k: np.asarray(store[k]) for k in store.keys()}
+            self._restore_counters(self._deferred_state)
             return
         variables = self.variables
         if len(store.keys()) != len(variables):
@@ -356,6 +422,32 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             )
         for i, variable in enumerate(variables):
             variable.assign(store[str(i)])
+
+    def _restore_counters(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore, before build, the two counters that already exist:
+        ``micro_steps`` and the inner ``iterations`` (what resume idioms read
+        to compute ``initial_epoch``). The rest waits for :meth:`build`,
+        which checks that the whole state fits.
+
+        The saved order is :attr:`variables`: ``micro_steps``, then (N > 1)
+        ``grad_received`` of shape ``(n,)`` and ``n`` accumulators, then the
+        inner optimizer's variables, ``iterations`` first.
+        """
+        inner_vars = self.inner_optimizer.variables
+        if not inner_vars or inner_vars[0] is not self.inner_optimizer.iterations:
+            return
+        own = 1
+        if self.gradient_accumulation_steps > 1:
+            received = state.get("1")
+            if received is None or received.ndim != 1:
+                return
+            own = 2 + received.shape[0]
+        for key, variable in (("0", self.micro_steps), (str(own), self.inner_optimizer.iterations)):
+            value = state.get(key)
+            if value is None or value.shape != () or not np.issubdtype(value.dtype, np.integer):
+                return
+        self.micro_steps.assign(state["0"])
+        self.inner_optimizer.iterations.assign(state[str(own)])
 
     # ------------------------------------------------------------ micro-step
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
@@ -404,6 +496,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         if all(g is None for g in grads):
             names = [_path(v) for v in trainable_variables]
             raise ValueError(f"No gradients provided for any variable: {names}.")
+        if any(g is None for g in grads):
+            # Keras' own warning, word for word (once per trace, as plain Keras).
+            self._filter_empty_gradients(grads, trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -556,15 +651,32 @@ class _KerasBackend:
         self._opt.assign(variable, value)
 
     def assign_add(self, variable: Any, value: Any) -> None:
-        self._opt.assign_add(variable, value)
+        self._opt.assign_add(_replica_local(variable, value), value)
 
     def scatter_update(self, variable: Any, indices: Any, updates: Any) -> None:
         import tensorflow as tf
 
-        self._opt.assign(variable, tf.IndexedSlices(updates, indices))
+        value = tf.IndexedSlices(updates, indices)
+        self._opt.assign(_replica_local(variable, value), value)
 
     def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> None:
         ops.cond(pred, lambda: _none(true_fn()), lambda: _none(false_fn()))
+
+
+def _replica_local(variable: Any, value: Any) -> Any:
+    """This replica's own component of a replica-local (``ON_READ``)
+    accumulator, for scatter ops, which ``SyncOnReadVariable`` does not
+    support (``NotImplementedError``) although its components do. Dense
+    values and other variables pass through."""
+    import tensorflow as tf
+
+    if not isinstance(value, tf.IndexedSlices):
+        return variable
+    inner = variable.value if isinstance(variable, keras.Variable) else variable
+    if isinstance(inner, tf.distribute.DistributedValues) and tf.distribute.in_cross_replica_context() is False:
+        # tensorflow/python/distribute/values.py: the replica's component.
+        return inner._get_on_device_or_primary()
+    return variable
 
 
 def _none(_: Any) -> None:
