@@ -572,13 +572,22 @@ def _fmt(row: dict) -> str:
 
 
 def table(data: dict, markdown: bool = False) -> str:
-    headers = ["case", "row", "what is run", "max|w - w_ref| or ratio", "what happened"]
+    bar = "\\|" if markdown else "|"  # a bare | would split a Markdown cell
+    headers = ["case", "row", "what is run", f"max{bar}w - w_ref{bar} or ratio", "what happened"]
     rows = [[str(r["case"]), r["variant"], r["label"], _fmt(r), r["note"]] for r in data["rows"]]
     s = data["settings"]
     legend = (f"N={s['N']}, B={s['B']} (reference batch {s['N'] * s['B']}), Adam({s['lr']}), float32; "
               "(a) as naturally written, (b) the exact recipe, (info) context. Cases 1-4: max absolute weight "
               "difference from the reference; case 5: the ratio named in the row.")
-    return C.format_table(headers, rows, markdown) + "\n\n" + legend
+    out = C.format_table(headers, rows, markdown) + "\n\n" + legend
+    if markdown:
+        env = data["env"]
+        command = " ".join([".venv/bin/python -m benchmarks.caveats", *env.get("argv", [])])
+        out = (f"Produced by `{command}` in {data['wall_seconds']:.0f} s on {env['date_utc']}: TensorFlow "
+               f"{env['tensorflow']}, Keras {env['keras']}, {env.get('device', 'CPU')}, {env['cpus_usable']} CPUs, "
+               f"load average at start {', '.join(f'{x:.1f}' for x in env['load_average_at_start'] or [])}."
+               "\n\n" + out)
+    return out
 
 
 def plot(data: dict, path: Path) -> Path:
@@ -599,7 +608,7 @@ def plot(data: dict, path: Path) -> Path:
     ax.axvline(1e-6, color="k", ls=":", lw=1)
     ax.set_xlim(floor / 2, 1.0)
     ax.set_xlabel(f"max |w - w_ref| (log scale; 0 drawn at {floor:.0e}; dotted line: 1e-6)")
-    ax.set_title(f"Caveats of exactness: naive (red) vs exact recipe (green), N={N}, B={B}, Adam")
+    ax.set_title(f"Caveats of exactness: naive (red), exact recipe (green), context (gray); N={N}, B={B}, Adam")
     ax.grid(True, axis="x", which="both", alpha=0.3)
     return C.save_figure(fig, path)
 
