@@ -49,6 +49,10 @@ class AccumulatingOptimizer(metaclass=_DispatchByFamily):
 
     * a ``keras.optimizers.Optimizer`` (Keras 3):
       :class:`accum_optimizer.families.keras3.AccumulatingOptimizer`.
+    * a ``tf.compat.v1.train.Optimizer`` (TF1 graph code):
+      :class:`accum_optimizer.families.tf1.AccumulatingOptimizer`, itself a
+      ``tf.compat.v1.train.Optimizer`` (``minimize``/``apply_gradients``
+      return the op of one micro-step; ``global_step`` counts updates).
 
     A string or config dict (``"adam"``) is resolved by the active
     ``tf.keras``' ``optimizers.get``. Every wrapper takes the same arguments

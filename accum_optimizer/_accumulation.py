@@ -212,10 +212,7 @@ def micro_step(
     """
     each_replica = each_replica or _call
     mask = received_mask(grads)
-    sparse = [
-        isinstance(_local(g), tf.IndexedSlices) and state.rows_tracker(i) is not None
-        for i, g in enumerate(grads)
-    ]
+    sparse = [sparse_window(g, state.rows_tracker(i)) for i, g in enumerate(grads)]
     with tf.control_dependencies(gradient_tensors(grads)):
         accumulated = each_replica(accumulate, backend, state, grads)
         with tf.control_dependencies(_ops(accumulated)):
@@ -231,6 +228,23 @@ def micro_step(
             return backend.cond(
                 is_update_step(state.micro_steps, gradient_accumulation_steps), update, _noop
             )
+
+
+def sparse_window(grad: Any, tracker: Any) -> bool:
+    """Does the update hand the inner optimizer this variable's window as
+    ``tf.IndexedSlices`` over its touched rows (a trace-time decision)?
+
+    Only for a variable with a row tracker, and then when its gradient on the
+    closing micro-step is a ``tf.IndexedSlices``, or is ``None``: a variable
+    that got its sparse gradients from another train op (TF1 graph code with
+    several train ops sharing one window) must still get the sparse window
+    the large batch would give it. (Rows a dense gradient touched are all
+    marked, so an all-rows window stands for a dense one; a variable without
+    a gradient in the whole window has no touched rows and a false gate.)
+    """
+    if tracker is None:
+        return False
+    return grad is None or isinstance(_local(grad), tf.IndexedSlices)
 
 
 def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any]) -> list:

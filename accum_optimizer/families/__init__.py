@@ -3,4 +3,7 @@
 an instance of that family's optimizer base class.
 
 * :mod:`~accum_optimizer.families.keras3`: Keras 3 (``keras.optimizers``).
+* :mod:`~accum_optimizer.families.tf1`: TF1 graph code
+  (``tf.compat.v1.train.Optimizer``, with ``Session``, ``global_step``,
+  ``Saver``).
 """
