@@ -219,21 +219,24 @@ def _two_task_graph(init):
 
 def test_train_ops_sharing_one_wrapper_share_one_window():
     """Ops A (E sparse, W) and B (W, U) of one wrapper built for [E, W, U],
-    with lazy sparse Momentum, N=2. Windows (A,B), (B,B), (B,A), (A,A): every
+    with lazy sparse Momentum, N=2. Windows (A,A), (A,B), (B,B), (B,A): every
     variable with a gradient in the window is updated by its window mean, also
-    when the closing op does not use it (E sparse over its touched rows, U);
-    a variable without one is not (E in (B,B): table and momentum bitwise
-    untouched, U in (A,A)). Reference: one plain Momentum step per window on
-    the window's mean loss (la + lb)/2 etc., whose gradient for E is the
-    sparse IndexedSlices of the large batch; global_step counts 4 updates."""
+    when the closing op does not use it (E in (A,B), as IndexedSlices over its
+    touched rows, so row 5, looked up only in window 1, keeps its momentum as
+    in the large batch; U in (B,A)); a variable without one is not (U in
+    (A,A), E in (B,B): value and momentum bitwise untouched). Reference: one
+    plain Momentum step per window on the window's mean loss, (la + lb)/2
+    etc., whose gradient for E is the large batch's sparse IndexedSlices;
+    global_step counts 4 updates."""
     rng = np.random.default_rng(7)
     init = {
         "E": rng.normal(size=(9, 3)).astype("float32"),
         "W": rng.normal(size=(3, 2)).astype("float32"),
         "U": rng.normal(size=(3, 3)).astype("float32"),
     }
-    runs = list("ABBBBAAA")
-    ids = rng.integers(0, 6, size=(len(runs), 2, 2)).astype("int32")  # rows 6..8 never looked up
+    runs = list("AAABBBBA")
+    ids = rng.integers(0, 5, size=(len(runs), 2, 2)).astype("int32")  # rows 6..8 never looked up
+    ids[0, 0, 0] = 5  # row 5: window 1 only
     xs = rng.normal(size=(len(runs), 2, 3)).astype("float32")
     ys = rng.normal(size=(len(runs), 2, 2)).astype("float32")
 
@@ -294,11 +297,14 @@ def test_train_ops_sharing_one_wrapper_share_one_window():
     for g, w in zip(got, want):
         assert_close(g, w, tol=1e-5)
     assert [s["global_step"] for s in got] == [1, 2, 3, 4]
-    # (B,B): E and its momentum untouched; (A,A): U and its momentum untouched.
+    # (A,A): U and its momentum untouched; (B,B): E and its momentum untouched.
+    np.testing.assert_array_equal(got[0]["U"], init["U"])
+    np.testing.assert_array_equal(got[0]["U/Momentum"], 0.0)
     for name in ("E", "E/Momentum"):
-        np.testing.assert_array_equal(got[1][name], got[0][name])
-    for name in ("U", "U/Momentum"):
-        np.testing.assert_array_equal(got[3][name], got[2][name])
+        np.testing.assert_array_equal(got[2][name], got[1][name])
+    # Row 5 moved in window 1 and, lazily, not in window 2 (closed by B).
+    assert np.all(got[0]["E/Momentum"][5] != 0)
+    np.testing.assert_array_equal(got[1]["E"][5], got[0]["E"][5])
     # Lazy: rows never looked up keep momentum 0 and their initial values.
     np.testing.assert_array_equal(got[-1]["E/Momentum"][6:], 0.0)
     np.testing.assert_array_equal(got[-1]["E"][6:], init["E"][6:])

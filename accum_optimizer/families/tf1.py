@@ -328,7 +328,13 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
 
     def get_slot(self, var: Any, name: str) -> Any:
         """``"acc_grad"`` / ``"touched_rows"``: the wrapper's accumulator / row
-        tracker of ``var``; any other name: the inner optimizer's slot."""
+        tracker of ``var`` (``None`` if it has none); any other name: the
+        inner optimizer's slot (``"m"``, ``"momentum"``, ...).
+
+        (``get_slot_names()`` lists none of them: ``tf.train.Checkpoint``
+        saves the slots it lists through the optimizer, and this wrapper's
+        state is saved as its own dependencies, the inner optimizer's by the
+        inner optimizer.)"""
         if name in ("acc_grad", "touched_rows"):
             window = self._windows.get(_graph_key())
             if window is None or window.state is None or var.ref() not in window.index:
@@ -336,14 +342,6 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             i = window.index[var.ref()]
             return window.state.acc_grads[i] if name == "acc_grad" else window.state.rows_tracker(i)
         return self._inner.get_slot(var, name)
-
-    def get_slot_names(self) -> list:
-        """The wrapper's slot names and the inner optimizer's."""
-        own = ["acc_grad"] if self.gradient_accumulation_steps > 1 else []
-        window = self._windows.get(_graph_key())
-        if window is not None and window.state is not None and window.state.touched_rows is not None:
-            own.append("touched_rows")
-        return own + self._inner.get_slot_names()
 
     def _trackable_children(self, *args: Any, **kwargs: Any) -> dict:
         # Object-based checkpoints (`tf.train.Checkpoint`, eager): the inner
