@@ -219,22 +219,23 @@ def _two_task_graph(init):
 
 def test_train_ops_sharing_one_wrapper_share_one_window():
     """Ops A (E sparse, W) and B (W, U) of one wrapper built for [E, W, U],
-    with lazy sparse Momentum, N=2. Windows (A,A), (A,B), (B,B), (B,A): every
+    with lazy sparse Momentum, N=2. Windows (A,A), (A,B), (B,B), (B,A), (A,A):
+    every
     variable with a gradient in the window is updated by its window mean, also
     when the closing op does not use it (E in (A,B), as IndexedSlices over its
     touched rows, so row 5, looked up only in window 1, keeps its momentum as
     in the large batch; U in (B,A)); a variable without one is not (U in
-    (A,A), E in (B,B): value and momentum bitwise untouched). Reference: one
-    plain Momentum step per window on the window's mean loss, (la + lb)/2
-    etc., whose gradient for E is the large batch's sparse IndexedSlices;
-    global_step counts 4 updates."""
+    (A,A), also once it has momentum, E in (B,B): value and momentum bitwise
+    untouched). Reference: one plain Momentum step per window on the window's
+    mean loss, (la + lb)/2 etc., whose gradient for E is the large batch's
+    sparse IndexedSlices; global_step counts 5 updates."""
     rng = np.random.default_rng(7)
     init = {
         "E": rng.normal(size=(9, 3)).astype("float32"),
         "W": rng.normal(size=(3, 2)).astype("float32"),
         "U": rng.normal(size=(3, 3)).astype("float32"),
     }
-    runs = list("AAABBBBA")
+    runs = list("AAABBBBAAA")
     ids = rng.integers(0, 5, size=(len(runs), 2, 2)).astype("int32")  # rows 6..8 never looked up
     ids[0, 0, 0] = 5  # row 5: window 1 only
     xs = rng.normal(size=(len(runs), 2, 3)).astype("float32")
@@ -296,10 +297,13 @@ def test_train_ops_sharing_one_wrapper_share_one_window():
 
     for g, w in zip(got, want):
         assert_close(g, w, tol=1e-5)
-    assert [s["global_step"] for s in got] == [1, 2, 3, 4]
+    assert [s["global_step"] for s in got] == [1, 2, 3, 4, 5]
     # (A,A): U and its momentum untouched; (B,B): E and its momentum untouched.
     np.testing.assert_array_equal(got[0]["U"], init["U"])
     np.testing.assert_array_equal(got[0]["U/Momentum"], 0.0)
+    assert np.all(got[3]["U/Momentum"] != 0)
+    for name in ("U", "U/Momentum"):
+        np.testing.assert_array_equal(got[4][name], got[3][name])
     for name in ("E", "E/Momentum"):
         np.testing.assert_array_equal(got[2][name], got[1][name])
     # Row 5 moved in window 1 and, lazily, not in window 2 (closed by B).
