@@ -190,3 +190,21 @@ def assert_bitwise(actual: dict, expected: dict) -> None:
     assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
     for k in expected:
         np.testing.assert_array_equal(actual[k], expected[k], err_msg=k)
+
+
+def equivalence_table(n: int = 3, micro_batch: int = 4, updates: int = 3, modes=("v2", "v1")) -> list:
+    """``(mode, optimizer, max |difference|)`` between the wrapper and the
+    large batch, as test_tf1's equivalence tests measure it."""
+    rows = []
+    for mode in modes:
+        for name in INNER_OPTIMIZERS:
+            expected = train_mlp(name, None, n * micro_batch, updates, mode=mode)
+            actual = train_mlp(name, n, micro_batch, updates, mode=mode)
+            rows.append((mode, name, max_abs_diff(actual, expected)))
+    return rows
+
+
+if __name__ == "__main__":
+    # PYTHONPATH=. python tests/tf1_reference.py: the figures the README quotes.
+    for mode, name, diff in equivalence_table():
+        print(f"{mode}  {name:26s} {diff:.2e}", flush=True)

@@ -125,6 +125,10 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
     ``build(union_of_var_lists)`` first; for separate windows (a GAN's two
     networks, say), use one wrapper per train op.
 
+    ``tf.distribute`` strategies (``MirroredStrategy`` in TF1 graph mode, say)
+    are out of scope: ``apply_gradients`` under one raises
+    ``NotImplementedError``.
+
     Raises:
         TypeError: ``inner_optimizer`` is not a ``tf.compat.v1.train.Optimizer``,
             ``gradient_accumulation_steps`` is not an int, or an unexpected
@@ -281,7 +285,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         shared algorithm reads them after writing them in the same run, and
         only a resource variable's read is ordered by control dependencies
         (a ``RefVariable`` converts to the snapshot taken at its creation)."""
-        with tf1.colocate_with(colocate_with):
+        with tf.distribute.get_strategy().extended.colocate_vars_with(colocate_with):
             variable = tf1.Variable(
                 initial_value, trainable=False, name=name, use_resource=True,
                 collections=[tf1.GraphKeys.GLOBAL_VARIABLES],
@@ -392,7 +396,17 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 has no gradient at all, a gradient's shape differs from its
                 variable's, or a variable with a gradient is not one the
                 optimizer was built for.
+            NotImplementedError: called under a ``tf.distribute`` strategy
+                (out of scope for TF1 graph code).
         """
+        if tf.distribute.has_strategy():
+            raise NotImplementedError(
+                "The TF1 AccumulatingOptimizer does not support tf.distribute "
+                f"strategies (called under {type(tf.distribute.get_strategy()).__name__}); "
+                "MirroredStrategy and the others are out of scope for TF1 graph "
+                "code. Call it outside strategy.scope(), or use a Keras optimizer "
+                "with the Keras wrapper under a strategy."
+            )
         pairs = _check_grads_and_vars(grads_and_vars)
         with_grad = [(g, v) for g, v in pairs if g is not None]
         if not with_grad:
