@@ -206,6 +206,26 @@ def test_bad_arguments_raise_the_shared_errors(steps, reduction, error, validato
     assert str(got.value) == str(expected.value)
 
 
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [((), {"gradient_accumulation_steps": 2}), ((None,), {}), ((None,), {"steps": 2})],
+    ids=["missing-inner", "missing-steps", "misspelt-steps"],
+)
+def test_missing_and_unknown_arguments_raise_the_shared_errors(args, kwargs):
+    """The same messages as every family (the shared check_arguments):
+    missing required arguments, and unknown ones with the close match."""
+    inner = tf1.train.GradientDescentOptimizer(0.1)
+    args = tuple(inner if a is None else a for a in args)
+    unknown = {k: v for k, v in kwargs.items() if k not in _accumulation.ARGUMENTS}
+    given = dict(zip(("inner_optimizer", "gradient_accumulation_steps"), args), **kwargs)
+    with pytest.raises(TypeError) as expected:
+        _accumulation.check_arguments(given.get("inner_optimizer", _accumulation.REQUIRED),
+                                      given.get("gradient_accumulation_steps", _accumulation.REQUIRED), unknown)
+    with pytest.raises(TypeError) as got:
+        AccumulatingOptimizer(*args, **kwargs)
+    assert str(got.value) == str(expected.value)
+
+
 def test_bad_inner_and_keyword_arguments_are_named():
     with pytest.raises(TypeError, match=r"TF1 optimizer instance.*Received: inner_optimizer='adam' of type builtins.str"):
         AccumulatingOptimizer("adam", 2)
@@ -216,6 +236,8 @@ def test_bad_inner_and_keyword_arguments_are_named():
         AccumulatingOptimizer(tf1.train.GradientDescentOptimizer(0.1), 2, use_locking=True)
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\): clipnorm=1.0\. Accepted:"):
         AccumulatingOptimizer(tf1.train.GradientDescentOptimizer(0.1), 2, clipnorm=1.0)
+    with pytest.raises(AttributeError, match=r"`gradient_accumulation_steps` is read-only"):
+        nested.gradient_accumulation_steps = 4
     with pytest.raises(ValueError, match=r"`name` must be a non-empty string or None\. Received: name=''"):
         AccumulatingOptimizer(tf1.train.GradientDescentOptimizer(0.1), 2, name="")
 

@@ -131,8 +131,9 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
 
     Raises:
         TypeError: ``inner_optimizer`` is not a ``tf.compat.v1.train.Optimizer``,
-            ``gradient_accumulation_steps`` is not an int, or an unexpected
-            keyword argument is given.
+            ``gradient_accumulation_steps`` is not an int, a required argument
+            is missing, or an unexpected keyword argument is given (the
+            message names the close match).
         ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
             ``("mean", "sum")``; the inner optimizer is an
             ``AccumulatingOptimizer``; ``use_locking`` is passed (it belongs on
@@ -141,14 +142,12 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
 
     def __init__(
         self,
-        inner_optimizer: Any,
-        gradient_accumulation_steps: int,
+        inner_optimizer: Any = acc_lib.REQUIRED,
+        gradient_accumulation_steps: int = acc_lib.REQUIRED,
         reduction: str = "mean",
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
-        reduction = acc_lib.validate_reduction(reduction)
         if kwargs.get("use_locking", False):
             raise ValueError(
                 "AccumulatingOptimizer does not take `use_locking` (received "
@@ -157,13 +156,9 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 "which makes the updates."
             )
         kwargs.pop("use_locking", None)
-        if kwargs:
-            received = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
-            raise TypeError(
-                "AccumulatingOptimizer got unexpected keyword argument(s): "
-                f"{received}. Accepted: inner_optimizer, "
-                "gradient_accumulation_steps, reduction, name."
-            )
+        acc_lib.check_arguments(inner_optimizer, gradient_accumulation_steps, kwargs)
+        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        reduction = acc_lib.validate_reduction(reduction)
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(
                 f"`name` must be a non-empty string or None. Received: name={name!r}."
@@ -171,11 +166,26 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         inner = _resolve_inner(inner_optimizer)
         super().__init__(use_locking=False, name=name or "AccumulatingOptimizer")
         self._inner = inner
-        self.gradient_accumulation_steps = steps
+        self._gradient_accumulation_steps = steps
         self.reduction = reduction
         self._windows: dict[Any, _Window] = {}
 
     # ------------------------------------------------------------- properties
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """N, micro-steps per update (read-only: the built ops have it fixed)."""
+        return self._gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: Any) -> None:
+        raise AttributeError(
+            "`gradient_accumulation_steps` is read-only after construction "
+            f"(it is {self.gradient_accumulation_steps}; received {value!r}): "
+            "the train ops built so far have the window length fixed. Create a "
+            "new AccumulatingOptimizer(inner_optimizer, gradient_accumulation_steps=...) "
+            "instead."
+        )
+
     @property
     def inner_optimizer(self) -> tf1.train.Optimizer:
         """The wrapped optimizer, which makes every update."""
