@@ -225,7 +225,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 is already built in this graph for other variables.
         """
         var_list = _check_variables(var_list, "var_list")
-        sparse = _check_variables(sparse_var_list, "sparse_var_list", allow_empty=True)
+        sparse = _check_variables(sparse_var_list, "sparse_var_list")
         if not var_list:
             raise ValueError("`var_list` must not be empty. Received: var_list=[].")
         refs = {v.ref() for v in var_list}
@@ -321,8 +321,8 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
     def non_optimizer_variables(self) -> list:
         """Global variables of the current graph that are not optimizer state:
         the model's variables and ``global_step``, without accumulators,
-        counters or the inner optimizer's slots. For an inference
-        checkpoint::
+        counters or the inner optimizer's slots (graph mode: eagerly there
+        are no collections). For an inference checkpoint::
 
             tf.compat.v1.train.Saver(var_list=opt.non_optimizer_variables())
         """
@@ -612,7 +612,7 @@ def _is_variable(value: Any) -> bool:
     return isinstance(value, tf.Variable)
 
 
-def _check_variables(values: Any, arg: str, allow_empty: bool = False) -> list:
+def _check_variables(values: Any, arg: str) -> list:
     values = list(values)
     for v in values:
         if not _is_variable(v):
