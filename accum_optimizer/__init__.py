@@ -28,7 +28,8 @@ class _DispatchByFamily(type):
     def __call__(cls, inner_optimizer: Any = _accumulation.REQUIRED, *args: Any, **kwargs: Any) -> Any:
         if inner_optimizer is _accumulation.REQUIRED:
             _accumulation.check_arguments(inner_optimizer, None, {
-                k: v for k, v in kwargs.items() if k not in _accumulation.ARGUMENTS})
+                k: v for k, v in kwargs.items()
+                if k not in _accumulation.ARGUMENTS + _accumulation.NUMERICS_ARGUMENTS})
         if isinstance(inner_optimizer, (str, dict)):
             inner_optimizer = _dispatch.resolve_identifier(inner_optimizer)
         return _dispatch.family_of(inner_optimizer).wrapper()(inner_optimizer, *args, **kwargs)

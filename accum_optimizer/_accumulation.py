@@ -25,6 +25,23 @@ pipeline ends (``OutOfRange`` from a dataset of unknown length, which Keras
 hits once per epoch) would still run the counter writes, which have no data
 dependency on the gradients: a phantom micro-step per epoch.
 
+Non-finite gradients (``nonfinite=``, :data:`NONFINITE_POLICIES`): with
+``"propagate"`` (the default) the steps above are all there is. With
+``"skip_micro_step"`` or ``"skip_window"`` one boolean scalar, "every
+gradient of this micro-step is finite on every replica", gates them (one
+``is_finite`` reduction per gradient, combined in the graph, plus one scalar
+all-reduce under a multi-replica strategy; no host sync). ``"skip_micro_step"``: a non-finite
+micro-step adds nothing and is not counted (``skipped_micro_steps += 1``), so
+the window takes one more micro-batch. ``"skip_window"``: it is counted but
+adds nothing and marks the window; the window's last micro-step then discards
+the window instead of updating (accumulators zeroed, the inner optimizer not
+called, ``skipped_windows += 1``), as the large batch would skip its step.
+
+Mixed precision: accumulators may have a wider dtype than their variables
+(float32 for 16-bit weights): each gradient is cast to the accumulator's
+dtype when it is added, and the window gradient is cast to the variable's
+dtype once, after the division by N (:attr:`WindowState.variable_dtypes`).
+
 State names follow optax's ``MultiSteps``: ``acc_grads`` are the accumulator
 slots, ``micro_steps`` counts micro-steps (optax's ``mini_step`` is
 ``micro_steps % gradient_accumulation_steps``), and the inner optimizer's
@@ -45,6 +62,7 @@ from typing import Any, Callable, Protocol, Sequence
 import tensorflow as tf
 
 REDUCTIONS = ("mean", "sum")
+NONFINITE_POLICIES = ("propagate", "skip_micro_step", "skip_window")
 
 
 class Backend(Protocol):
@@ -86,12 +104,27 @@ class WindowState:
             rows a sparse gradient touched in this window (``shape[0]`` bytes:
             1/(4·row width) of a float32 accumulator), or ``None`` where the
             family hands the inner optimizer a dense window gradient.
+        skipped_micro_steps: int64 scalar, non-finite micro-steps whose
+            gradients were dropped (both skipping policies; units:
+            micro-steps). Needed for ``nonfinite != "propagate"``.
+        skipped_windows: int64 scalar, windows discarded by
+            ``"skip_window"`` (units: windows). Needed for ``"skip_window"``.
+        window_poisoned: int64 scalar, 1 while the current window has had a
+            non-finite micro-step (``"skip_window"``). Needed for
+            ``"skip_window"``.
+        variable_dtypes: per variable, the dtype its window gradient is cast
+            to (the variable's, where the accumulator is wider), or ``None``:
+            the accumulator's dtype, no cast.
     """
 
     acc_grads: Sequence[Any]
     micro_steps: Any
     grad_received: Any
     touched_rows: Sequence[Any] | None = None
+    skipped_micro_steps: Any = None
+    skipped_windows: Any = None
+    window_poisoned: Any = None
+    variable_dtypes: Sequence[Any] | None = None
 
     def rows_tracker(self, i: int) -> Any:
         return None if self.touched_rows is None else self.touched_rows[i]
@@ -108,26 +141,32 @@ REQUIRED: Any = _Required()
 :func:`check_arguments`' message rather than Python's."""
 
 ARGUMENTS = ("inner_optimizer", "gradient_accumulation_steps", "reduction", "name")
+NUMERICS_ARGUMENTS = ("nonfinite", "accumulator_dtype")
+"""Arguments of the families that supply the state of :data:`NONFINITE_POLICIES`
+and wider accumulators (Keras 3 today)."""
 
 
-def check_arguments(inner_optimizer: Any, gradient_accumulation_steps: Any, unknown: dict) -> None:
+def check_arguments(
+    inner_optimizer: Any, gradient_accumulation_steps: Any, unknown: dict, accepted: Sequence[str] = ARGUMENTS
+) -> None:
     """Raise ``TypeError`` for unknown keyword arguments (naming the close
     match, e.g. ``steps`` -> ``gradient_accumulation_steps``) and for a
-    missing ``inner_optimizer`` or ``gradient_accumulation_steps``."""
+    missing ``inner_optimizer`` or ``gradient_accumulation_steps``.
+    ``accepted``: the family's arguments, for the message."""
     if unknown:
         import difflib
 
         received = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
         hints = []
         for key in sorted(unknown):
-            close = difflib.get_close_matches(key, ARGUMENTS, n=1, cutoff=0.3)
-            close = close or [a for a in ARGUMENTS if key in a]
+            close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.3)
+            close = close or [a for a in accepted if key in a]
             if close:
                 hints.append(f"`{key}` -> `{close[0]}`")
         hint = f" Did you mean {', '.join(hints)}?" if hints else ""
         raise TypeError(
             "AccumulatingOptimizer got unexpected keyword argument(s): "
-            f"{received}. Accepted: {', '.join(ARGUMENTS)}.{hint}"
+            f"{received}. Accepted: {', '.join(accepted)}.{hint}"
         )
     for arg, value in (("inner_optimizer", inner_optimizer),
                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
@@ -176,6 +215,42 @@ def validate_reduction(value: Any) -> str:
     return value
 
 
+def validate_nonfinite(value: Any, supported: Sequence[str] = NONFINITE_POLICIES) -> str:
+    """Return ``value`` if it is one of ``supported`` (a family passes the
+    policies it supplies the state for), else raise ValueError."""
+    if not isinstance(value, str) or value not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"`nonfinite` must be one of {NONFINITE_POLICIES}: 'propagate' applies "
+            "every micro-batch gradient as it is (a NaN or Inf reaches the "
+            "weights, as in large-batch training), 'skip_micro_step' drops a "
+            "micro-step whose gradients are not all finite (the window takes "
+            "one more micro-batch), 'skip_window' discards the whole window "
+            f"that contains one. Received: nonfinite={value!r}."
+        )
+    if value not in supported:
+        raise ValueError(
+            f"nonfinite={value!r} is not supported by this optimizer family yet "
+            f"(supported: {tuple(supported)}); its wrapper does not keep the "
+            "counters the skipping policies need."
+        )
+    return value
+
+
+def check_window_state(state: WindowState, nonfinite: str) -> None:
+    """Raise ValueError if ``state`` lacks a variable ``nonfinite`` needs."""
+    needed = {
+        "propagate": (),
+        "skip_micro_step": ("skipped_micro_steps",),
+        "skip_window": ("skipped_micro_steps", "skipped_windows", "window_poisoned"),
+    }[validate_nonfinite(nonfinite)]
+    missing = [name for name in needed if getattr(state, name) is None]
+    if missing:
+        raise ValueError(
+            f"nonfinite={nonfinite!r} needs WindowState fields {missing}; the "
+            "adapter did not supply them."
+        )
+
+
 # ------------------------------------------------------------ the algorithm
 def micro_step(
     backend: Backend,
@@ -185,6 +260,10 @@ def micro_step(
     gradient_accumulation_steps: int,
     reduction: str,
     each_replica: Callable[..., Any] | None = None,
+    *,
+    nonfinite: str = "propagate",
+    all_replicas: Callable[[Any], Any] | None = None,
+    finite: Any = None,
 ) -> Any:
     """One micro-step: accumulate, count, and on a window's last micro-step update.
 
@@ -202,22 +281,55 @@ def micro_step(
             a boolean scalar, true iff it had one earlier in the window; the
             adapter must skip every update of a variable whose gate is false
             (its weight, slots, weight decay and constraint).
-        gradient_accumulation_steps: N (> 1), micro-steps per window.
+        gradient_accumulation_steps: N (>= 1), micro-steps per window.
         reduction: ``"mean"`` or ``"sum"``.
         each_replica: ``each_replica(fn, *args)`` runs ``fn`` in every replica
             (``call_for_each_replica``); default: call it here.
+        nonfinite: one of :data:`NONFINITE_POLICIES` (see the module
+            docstring); the skipping policies need the matching
+            :class:`WindowState` fields (:func:`check_window_state`).
+        all_replicas: ``all_replicas(flag)`` turns this micro-step's
+            finiteness flag (a boolean scalar in each replica: the
+            per-replica value that ``each_replica`` returns) into one boolean
+            scalar, true iff the flag holds on every replica, so that every
+            replica skips together: one scalar all-reduce
+            (``distribution.reduce``). Default: the flag itself (one
+            replica). Called once per micro-step by the skipping policies
+            only; ``"propagate"`` adds no reduction.
+        finite: optional boolean scalar (the same on every replica) that
+            replaces the finiteness check of ``grads``: the verdict of a check
+            done elsewhere. The Python constant ``False`` (with every gradient
+            ``None``) records a micro-step that an outer loss-scale optimizer
+            skipped (it never reached this optimizer); nothing of the update
+            is then built. Ignored by ``"propagate"``.
 
     Returns:
         What ``backend.cond`` returns (an op for TF1 graph code).
     """
     each_replica = each_replica or _call
+    check_window_state(state, nonfinite)
     mask = received_mask(grads)
     sparse = [sparse_window(g, state.rows_tracker(i)) for i, g in enumerate(grads)]
     with tf.control_dependencies(gradient_tensors(grads)):
-        accumulated = each_replica(accumulate, backend, state, grads)
+        if nonfinite == "propagate":
+            ok = None
+            accumulated = each_replica(accumulate, backend, state, grads)
+        elif finite is False:
+            return skipped_micro_step(backend, state, gradient_accumulation_steps, nonfinite, each_replica)
+        else:
+            if finite is not None:
+                ok = tf.convert_to_tensor(finite, tf.bool)
+            else:
+                ok = (all_replicas or _identity)(each_replica(all_finite, grads))
+            accumulated = backend.cond(ok, lambda: each_replica(accumulate, backend, state, grads), _noop)
         with tf.control_dependencies(_ops(accumulated)):
-            counted = count_micro_step(backend, state, mask)
+            counted = count(backend, state, mask, nonfinite, ok)
         with tf.control_dependencies(_ops(counted)):
+            closes = is_update_step(state.micro_steps, gradient_accumulation_steps)
+            if nonfinite == "skip_micro_step":
+                # A skipped micro-step is not counted: `micro_steps` still
+                # holds the count that closed the previous window.
+                closes = tf.logical_and(ok, closes)
 
             def update() -> Any:
                 applied = each_replica(apply_window, backend, state, sparse, mask, apply_inner,
@@ -225,9 +337,49 @@ def micro_step(
                 with tf.control_dependencies(_ops(applied)):
                     return backend.assign(state.grad_received, tf.zeros_like(state.grad_received))
 
-            return backend.cond(
-                is_update_step(state.micro_steps, gradient_accumulation_steps), update, _noop
-            )
+            if nonfinite != "skip_window":
+                return backend.cond(closes, update, _noop)
+
+            def discard() -> Any:
+                return discard_window(backend, state, sparse, each_replica)
+
+            def close() -> Any:
+                poisoned = tf.greater(tf.convert_to_tensor(state.window_poisoned), 0)
+                return backend.cond(poisoned, discard, update)
+
+            return backend.cond(closes, close, _noop)
+
+
+def skipped_micro_step(
+    backend: Backend, state: WindowState, gradient_accumulation_steps: int, nonfinite: str, each_replica: Callable
+) -> Any:
+    """A micro-step known to be non-finite when it is built (one that an
+    outer loss-scale optimizer skipped): what :func:`micro_step` does with a
+    false finiteness flag, without building the accumulation or the update.
+    ``"skip_micro_step"``: ``skipped_micro_steps += 1``. ``"skip_window"``:
+    also ``micro_steps += 1`` and the window is marked; if that closes the
+    window, it is discarded (:func:`discard_window`)."""
+    sparse = [False] * len(state.acc_grads)
+    skipped = [increment(backend, state.skipped_micro_steps)]
+    if nonfinite == "skip_micro_step":
+        return skipped
+    skipped += [
+        backend.assign(state.window_poisoned, tf.ones_like(state.window_poisoned)),
+        increment(backend, state.micro_steps),
+    ]
+    with tf.control_dependencies(_ops(skipped)):
+        closes = is_update_step(state.micro_steps, gradient_accumulation_steps)
+        return backend.cond(closes, lambda: discard_window(backend, state, sparse, each_replica), _noop)
+
+
+def all_finite(grads: Sequence[Any]) -> Any:
+    """Boolean scalar: every element of every gradient is finite (``None``
+    gradients are ignored). One ``is_finite`` reduction per gradient, combined
+    into one scalar in the graph: no host sync."""
+    flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
+    if not flags:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(flags)) if len(flags) > 1 else flags[0]
 
 
 def sparse_window(grad: Any, tracker: Any) -> bool:
@@ -248,13 +400,14 @@ def sparse_window(grad: Any, tracker: Any) -> bool:
 
 
 def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any]) -> list:
-    """Step 1: ``acc_grads[i] += grads[i]`` for each gradient that is not None,
-    and mark the rows it touched where rows are tracked."""
+    """Step 1: ``acc_grads[i] += grads[i]`` for each gradient that is not None
+    (cast to the accumulator's dtype: a float32 accumulator sums 16-bit
+    gradients exactly), and mark the rows it touched where rows are tracked."""
     done = []
     for i, (acc, grad) in enumerate(zip(state.acc_grads, grads)):
         if grad is None:
             continue
-        done.append(backend.assign_add(acc, grad))
+        done.append(backend.assign_add(acc, cast_to(grad, acc.dtype)))
         rows = state.rows_tracker(i)
         if rows is None:
             continue
@@ -272,13 +425,69 @@ def received_mask(grads: Sequence[Any]) -> list[int]:
 
 def count_micro_step(backend: Backend, state: WindowState, mask: Sequence[int]) -> list:
     """Step 2: ``micro_steps += 1`` and ``grad_received |= mask``."""
-    done = [backend.assign_add(state.micro_steps, tf.constant(1, state.micro_steps.dtype))]
+    return [increment(backend, state.micro_steps)] + mark_received(backend, state, mask)
+
+
+def mark_received(backend: Backend, state: WindowState, mask: Sequence[int]) -> list:
+    """``grad_received |= mask``."""
     received = state.grad_received
     if all(mask):
-        done.append(backend.assign(received, tf.ones_like(received)))
-    elif any(mask):
-        done.append(backend.assign(received, tf.maximum(received, tf.constant(mask, received.dtype))))
-    return done
+        return [backend.assign(received, tf.ones_like(received))]
+    if any(mask):
+        return [backend.assign(received, tf.maximum(received, tf.constant(mask, received.dtype)))]
+    return []
+
+
+def increment(backend: Backend, counter: Any) -> Any:
+    """``counter += 1``."""
+    return backend.assign_add(counter, tf.constant(1, counter.dtype))
+
+
+def count(backend: Backend, state: WindowState, mask: Sequence[int], nonfinite: str, ok: Any) -> Any:
+    """Step 2 under each policy (``ok``: the finiteness flag, or ``None``).
+
+    * ``"propagate"``: :func:`count_micro_step`.
+    * ``"skip_micro_step"``: finite: :func:`count_micro_step`; otherwise only
+      ``skipped_micro_steps += 1`` (the micro-step is not counted).
+    * ``"skip_window"``: ``micro_steps += 1`` either way (the non-finite
+      micro-batch is one of the window's N, as its samples are part of the
+      large batch); finite: ``grad_received |= mask``; otherwise
+      ``skipped_micro_steps += 1`` and the window is marked.
+    """
+    if nonfinite == "propagate":
+        return count_micro_step(backend, state, mask)
+
+    def skipped() -> list:
+        done = [increment(backend, state.skipped_micro_steps)]
+        if nonfinite == "skip_window":
+            done.append(backend.assign(state.window_poisoned, tf.ones_like(state.window_poisoned)))
+        return done
+
+    if nonfinite == "skip_micro_step":
+        return backend.cond(ok, lambda: count_micro_step(backend, state, mask), skipped)
+    counted = increment(backend, state.micro_steps)
+    with tf.control_dependencies(_ops(counted)):
+        return [counted, backend.cond(ok, lambda: mark_received(backend, state, mask), skipped)]
+
+
+def discard_window(backend: Backend, state: WindowState, sparse: Sequence[bool], each_replica: Callable) -> Any:
+    """``"skip_window"`` at the end of a marked window: zero the accumulators
+    (in each replica) and ``grad_received``, clear the mark, and
+    ``skipped_windows += 1``. The inner optimizer is not called, so the
+    weights, its slots, ``iterations``, schedules and EMA do not move."""
+    dropped = each_replica(zero_accumulators, backend, state, sparse)
+    with tf.control_dependencies(_ops(dropped)):
+        return [
+            backend.assign(state.grad_received, tf.zeros_like(state.grad_received)),
+            backend.assign(state.window_poisoned, tf.zeros_like(state.window_poisoned)),
+            increment(backend, state.skipped_windows),
+        ]
+
+
+def zero_accumulators(backend: Backend, state: WindowState, sparse: Sequence[bool]) -> list:
+    """Zero the accumulators (the touched rows only where ``sparse[i]``)."""
+    rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
+    return reset(backend, state, rows, runtime_zero(state.micro_steps))
 
 
 def is_update_step(micro_steps: Any, gradient_accumulation_steps: int) -> Any:
@@ -299,9 +508,10 @@ def apply_window(
     """Step 3 (in each replica): the inner update with the window's
     gradients, then the accumulators zeroed."""
     rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
+    dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
     window = [
-        window_gradient(acc, gradient_accumulation_steps, reduction, r)
-        for acc, r in zip(state.acc_grads, rows)
+        cast_to(window_gradient(acc, gradient_accumulation_steps, reduction, r), dtype)
+        for acc, r, dtype in zip(state.acc_grads, rows, dtypes)
     ]
     gates = {i: tf.greater(state.grad_received[i], 0) for i, m in enumerate(mask) if not m}
     applied = apply_inner(window, gates)
@@ -380,6 +590,28 @@ def _static_shape(variable: Any) -> list[int]:
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _values(grad: Any) -> Any:
+    """A gradient's values (``tf.IndexedSlices``: its slices)."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def cast_to(grad: Any, dtype: Any) -> Any:
+    """``grad`` (dense or ``tf.IndexedSlices``) in ``dtype``; unchanged when
+    ``dtype`` is ``None`` or already its dtype."""
+    if dtype is None:
+        return grad
+    dtype = tf.as_dtype(dtype).base_dtype  # a TF1 RefVariable's dtype is `float32_ref`
+    if grad.dtype.base_dtype == dtype:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
 
 
 def _local(value: Any) -> Any:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
+import weakref
 from typing import Any, Iterable, Mapping, Sequence
 
 import keras
@@ -139,6 +141,47 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             optimizer (no accumulator slots are created).
         reduction: ``"mean"`` (default) applies ``sum / N``, equivalent to the
             large batch for a mean-reduced loss; ``"sum"`` applies the sum.
+        nonfinite: what a micro-step whose gradients are not all finite (NaN
+            or Inf in any variable's gradient) does to its window:
+
+            * ``"propagate"`` (default): nothing special; the gradient is
+              accumulated as it is, so the window's update carries the NaN or
+              Inf to the weights, exactly as one large batch with that sample
+              would. It is the plain large-batch semantics and costs nothing:
+              no check, no extra reduction (under a strategy, still one
+              cross-replica reduction per update). Under ``"mixed_float16"``
+              the ``LossScaleOptimizer`` that ``compile`` puts outside already
+              checks every micro-step and skips an overflowing one before it
+              reaches this optimizer (what ``"skip_micro_step"`` does), so the
+              common case of overflow is covered without a second check.
+            * ``"skip_micro_step"``: the micro-batch is dropped and not
+              counted (``micro_steps`` does not move, ``skipped_micro_steps``
+              does); the window takes one more micro-batch. What a
+              ``LossScaleOptimizer`` outside does, without loss scaling.
+            * ``"skip_window"``: the micro-step counts towards its window but
+              adds nothing, and the window's last micro-step discards the
+              window instead of updating (accumulators zeroed, inner optimizer
+              not called, ``iterations`` unchanged, ``skipped_windows += 1``),
+              as a large batch containing that micro-batch would skip its
+              step. With a ``LossScaleOptimizer`` outside (also the one
+              ``compile`` adds under ``"mixed_float16"``), a micro-step that
+              it skips never reaches this optimizer; the wrapper finds that
+              ``LossScaleOptimizer`` when it is built (it is the caller of
+              :meth:`build`) and hooks its non-finite branch, so such a
+              micro-step is counted and discards its window in the same way.
+
+            The skipping policies check finiteness once per micro-step (one
+            reduction over all gradients, in the graph: no host sync) and,
+            under a multi-replica strategy, all-reduce that one scalar so
+            that every replica skips together. ``gradient_accumulation_steps=1``
+            with a skipping policy keeps a window of one micro-step (and its
+            accumulators) instead of the pass-through.
+        accumulator_dtype: dtype of the accumulators. ``None`` (default):
+            float32 for float16/bfloat16 variables (a 16-bit running sum
+            stalls: in bfloat16, 256 + 1 = 256), the variable's own dtype
+            otherwise. Or an explicit float dtype for every variable. Each
+            gradient is cast to it when added; the window gradient is cast
+            back to the variable's dtype once, after the division by N.
         name: optional name of the wrapper.
 
     State (all ``keras.Variable``s, saved wherever Keras saves optimizer
@@ -153,6 +196,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             context, as saving does, gives the sum over replicas).
         ``grad_received``: int64 vector ``(num_trainable_variables,)``, 1
             where a variable has had a gradient in the current window.
+        ``skipped_micro_steps``, ``skipped_windows`` (skipping policies only,
+            ``None`` under ``"propagate"``): int64 scalars, non-finite
+            micro-steps dropped (including those a ``LossScaleOptimizer``
+            outside skipped) and windows discarded. ``iterations``,
+            learning-rate schedules and EMA never count them. Under
+            ``"skip_micro_step"`` ``micro_steps`` counts accepted micro-steps
+            only; under ``"skip_window"`` it counts every micro-step, and
+            ``iterations == micro_steps // N - skipped_windows``.
+        ``window_poisoned`` (``"skip_window"`` only): int64 scalar, 1 while
+            the current window has had a non-finite micro-step.
 
     Missing gradients: a ``None`` gradient contributes nothing on that
     micro-step; a variable with no gradient in the whole window is not
@@ -175,6 +228,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         gradient_accumulation_steps: int = acc_lib.REQUIRED,
         reduction: str = "mean",
         name: str | None = None,
+        nonfinite: str = "propagate",
+        accumulator_dtype: Any = None,
         **kwargs: Any,
     ) -> None:
         if keras.backend.backend() != "tensorflow":
@@ -194,9 +249,14 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     f"keras.optimizers.Adam({arg}=...), where it acts once "
                     "per update on the window's gradient."
                 )
-        acc_lib.check_arguments(inner_optimizer, gradient_accumulation_steps, kwargs)
+        acc_lib.check_arguments(
+            inner_optimizer, gradient_accumulation_steps, kwargs,
+            accepted=acc_lib.ARGUMENTS + acc_lib.NUMERICS_ARGUMENTS,
+        )
         steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
         reduction = acc_lib.validate_reduction(reduction)
+        nonfinite = acc_lib.validate_nonfinite(nonfinite)
+        accumulator_dtype = _validate_accumulator_dtype(accumulator_dtype)
         inner = _resolve_inner(inner_optimizer)
 
         super().__init__(learning_rate=0.0, name=name)
@@ -209,7 +269,18 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         # read-only from here on (see the property).
         object.__setattr__(self, "_gradient_accumulation_steps", steps)
         self.reduction = reduction
+        self.nonfinite = nonfinite
+        self.accumulator_dtype = accumulator_dtype
         self._deferred_state: dict[str, np.ndarray] | None = None
+        # State of a LossScaleOptimizer outside, saved with this optimizer's
+        # (see `save_own_variables`) and waiting for `build` to find it.
+        self._deferred_outer_state: dict[str, np.ndarray] | None = None
+        self.skipped_micro_steps = None
+        self.skipped_windows = None
+        self.window_poisoned = None
+        # (Untracked attributes: Keras and TF track the variables by name.)
+        object.__setattr__(self, "_nonfinite_variables", [])
+        object.__setattr__(self, "_outer_ref", None)
         # Like Keras' `iterations`, the micro-step counter exists before
         # `build`, so that restoring it (load_weights before the first step)
         # shows at once.
@@ -248,9 +319,15 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         creates as plain attributes (Nadam's ``_u_product``) stay tracked and
         saved.
         """
+        if self.built:
+            # LossScaleOptimizer.build builds its inner optimizer again even
+            # when it is built (LossScaleOptimizer(built_wrapper)): keep the
+            # state, only look for the new outer optimizer.
+            self._attach_outer(_outer_loss_scale_optimizer(self))
+            return
         var_list = list(var_list)
         for v in var_list:
-            if self.gradient_accumulation_steps > 1 and self._overwrite_variable_with_gradient(v):
+            if self._accumulates and self._overwrite_variable_with_gradient(v):
                 raise ValueError(
                     "AccumulatingOptimizer does not support variables with "
                     f"`overwrite_with_gradient=True` (received {_path(v)!r}); "
@@ -264,7 +341,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         }
         object.__setattr__(self, "_trainable_variables", var_list[:])
         with keras.name_scope(self.name, caller=self):
-            if self.gradient_accumulation_steps > 1:
+            if self._accumulates:
                 self.grad_received = self.add_variable(
                     shape=(len(var_list),),
                     dtype="int",
@@ -275,24 +352,136 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             else:
                 self.grad_received = None
                 self.acc_grads = []
+            if self.nonfinite != "propagate":
+                # Saved after the inner optimizer's variables (see `variables`).
+                counters = ["skipped_micro_steps", "skipped_windows"]
+                if self.nonfinite == "skip_window":
+                    counters.append("window_poisoned")
+                created = []
+                for counter in counters:
+                    variable = self.add_variable(
+                        shape=(), dtype="int", aggregation="only_first_replica", name=counter
+                    )
+                    setattr(self, counter, variable)
+                    created.append(variable)
+                object.__setattr__(self, "_nonfinite_variables", created)
         self.inner_optimizer.build(var_list)
         self.built = True
+        # `build` may run inside the first traced train step; restores must
+        # happen now, not in a graph that tf.function may discard.
         if self._deferred_state is not None:
             state, self._deferred_state = self._deferred_state, None
-            # `build` may run inside the first traced train step; the restore
-            # must happen now, not in a graph that tf.function may discard.
             with _outside_functions():
                 self.load_own_variables(state)
+        self._attach_outer(_outer_loss_scale_optimizer(self))
+
+    @property
+    def _accumulates(self) -> bool:
+        """Whether micro-steps go through windows (else: the pass-through)."""
+        return self.gradient_accumulation_steps > 1 or self.nonfinite != "propagate"
+
+    def _accumulator_dtype(self, variable: Any) -> str:
+        if self.accumulator_dtype is not None:
+            return self.accumulator_dtype
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+    # ------------------------------------------- a LossScaleOptimizer outside
+    @property
+    def outer_optimizer(self) -> Any:
+        """The ``LossScaleOptimizer`` wrapped around this optimizer (found
+        when it built this one), or ``None``."""
+        ref = self.__dict__.get("_outer_ref")
+        return None if ref is None else ref()
+
+    def _attach_outer(self, outer: Any) -> None:
+        """Remember the ``LossScaleOptimizer`` outside (weakly, and untracked:
+        it is not this optimizer's state to save as a child), restore its
+        state if it was saved with this optimizer's, and, for a skipping
+        policy, hook the branch where it skips a non-finite micro-step.
+
+        Keras' ``LossScaleOptimizer`` does not call the inner ``apply`` on a
+        non-finite step: it only halves the scale (in
+        ``_stateful_handle_non_finite_grads``, which both its single-device
+        and its ``merge_call`` paths look up on the instance when they run).
+        The hook calls the original, then records a skipped micro-step here
+        (:meth:`_outer_skipped_micro_step`).
+        """
+        if outer is None:
+            return
+        object.__setattr__(self, "_outer_ref", weakref.ref(outer))
+        if self._deferred_outer_state is not None:
+            state, self._deferred_outer_state = self._deferred_outer_state, None
+            with _outside_functions():
+                self._load_outer_state(state)
+        if self.nonfinite == "propagate":
+            return
+        original = getattr(outer, "_stateful_handle_non_finite_grads", None)
+        if getattr(original, "_accumulating_optimizer", None) is self:
+            return  # already hooked
+        if not callable(original):
+            raise NotImplementedError(
+                f"nonfinite={self.nonfinite!r} with a {type(outer).__name__} outside "
+                "needs to learn of the micro-steps it skips, through its "
+                "`_stateful_handle_non_finite_grads` method, which this Keras "
+                f"({keras.__version__}) does not have. Use nonfinite='propagate' "
+                "(the LossScaleOptimizer then skips overflowing micro-steps by itself)."
+            )
+        wrapper = weakref.ref(self)
+
+        def handle_non_finite_grads(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            accumulating = wrapper()
+            if accumulating is not None:
+                accumulating._outer_skipped_micro_step()
+            return result
+
+        handle_non_finite_grads._accumulating_optimizer = self
+        object.__setattr__(outer, "_stateful_handle_non_finite_grads", handle_non_finite_grads)
+
+    def _outer_skipped_micro_step(self) -> None:
+        """Record a micro-step that the ``LossScaleOptimizer`` outside skipped:
+        the same micro-step as a non-finite one seen here, with no gradients."""
+        import tensorflow as tf
+
+        grads = [None] * len(self._trainable_variables)
+        if tf.distribute.in_cross_replica_context():
+            self._cross_replica_step(tf.distribute.get_strategy(), grads, finite=False)
+        else:
+            self._micro_step(grads, finite=False)
+
+    def _outer_own_variables(self) -> list:
+        """The outer optimizer's own variables (its ``variables`` without
+        this optimizer's), in its order."""
+        outer = self.outer_optimizer
+        if outer is None:
+            return []
+        variables = list(outer.variables)
+        own = variables[: len(variables) - len(self.variables)]
+        mine = {id(v) for v in self.variables}
+        return [v for v in own if id(v) not in mine]
+
+    def _load_outer_state(self, state: Mapping[str, Any]) -> None:
+        variables = self._outer_own_variables()
+        if len(variables) != len(state):
+            raise ValueError(
+                f"Cannot restore the state of {type(self.outer_optimizer).__name__} "
+                f"'{self.outer_optimizer.name}' saved with optimizer '{self.name}': "
+                f"it has {len(variables)} variables, the saved state has {len(state)}."
+            )
+        for i, variable in enumerate(variables):
+            variable.assign(state[f"{_OUTER_KEY}{i}"])
 
     def _add_accumulator(self, reference: Any) -> Any:
         """One slot per trainable variable: a replica-local (``ON_READ``,
-        summed on read) zero-initialised copy of its shape and dtype."""
+        summed on read) zero-initialised copy of its shape, in the
+        accumulator dtype (:meth:`_accumulator_dtype`)."""
         name = f"{_path(reference).replace('/', '_').replace(':', '_')}_acc_grad"
         with self._colocate_with(reference):
             variable = keras.Variable(
                 initializer=keras.initializers.Zeros(),
                 shape=reference.shape,
-                dtype=reference.dtype,
+                dtype=self._accumulator_dtype(reference),
                 trainable=False,
                 aggregation="sum",
                 synchronization="on_read",
@@ -312,9 +501,14 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     @property
     def variables(self) -> list:
         """The wrapper's variables (``micro_steps``, ``grad_received``,
-        ``acc_grads``) followed by all of the inner optimizer's."""
-        own = [v for v in self._variables if not any(v is u for u in self._unused_base_variables)]
-        return own + self.inner_optimizer.variables
+        ``acc_grads``), all of the inner optimizer's, then those of the
+        skipping policies (``skipped_micro_steps``, ``skipped_windows``,
+        ``window_poisoned``): last, so that state saved without them (by
+        ``"propagate"``, and by 0.1.0) is a prefix of the state saved with
+        them."""
+        left_out = list(self._unused_base_variables) + self._nonfinite_variables
+        own = [v for v in self._variables if not any(v is u for u in left_out)]
+        return own + self.inner_optimizer.variables + self._nonfinite_variables
 
     def __dir__(self):
         # Keras' saving walks `dir()` for child objects to save. The inner
@@ -322,7 +516,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         # (saved and restored together, deferred until build if need be), so
         # hide it there: otherwise its state is written twice and, on an
         # unbuilt optimizer, Keras warns that it skipped it.
-        return [a for a in super().__dir__() if a != "inner_optimizer"]
+        # `outer_optimizer` (the LossScaleOptimizer around this one) is the
+        # parent, not a child: walking it would recurse without end.
+        return [a for a in super().__dir__() if a not in ("inner_optimizer", "outer_optimizer")]
 
     @property
     def iterations(self) -> Any:
@@ -393,35 +589,68 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    def save_own_variables(self, store: Any) -> None:
+        """Save :attr:`variables` (keys ``"0"``, ``"1"``, ...) and, with a
+        ``LossScaleOptimizer`` outside, its own variables (loss scale and
+        growth counter) under ``"outer_optimizer.0"``, ...
+
+        Keras restores a ``LossScaleOptimizer``'s state only when it is
+        already built; loading weights into a fresh model skips it with a
+        warning ("Skipping variable loading for optimizer
+        'loss_scale_optimizer'"), and the loss scale would restart from its
+        initial value. Saved here, it is restored with this optimizer's state
+        when the ``LossScaleOptimizer`` builds (see :meth:`build`).
+        """
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = variable.numpy()
+        for i, variable in enumerate(self._outer_own_variables()):
+            store[f"{_OUTER_KEY}{i}"] = variable.numpy()
+
     def load_own_variables(self, store: Mapping[str, Any]) -> None:
         """Restore state saved by :meth:`save_own_variables`.
 
         On an optimizer that is not built yet the values are kept and
         restored by :meth:`build` (Keras itself would skip them with a
         warning). An empty store (weights saved without optimizer state)
-        restores nothing.
+        restores nothing. State saved without the variables of the skipping
+        policies (with ``nonfinite="propagate"``, or by 0.1.0) loads into an
+        optimizer with a skipping policy: the counters start at 0. The state
+        of a ``LossScaleOptimizer`` outside, if saved, is restored into the
+        ``LossScaleOptimizer`` this optimizer is built by.
 
         Raises:
             ValueError: if the number of saved variables does not match.
         """
-        if len(store.keys()) == 0:
+        keys = list(store.keys())
+        own_keys = [k for k in keys if not k.startswith(_OUTER_KEY)]
+        outer_keys = [k for k in keys if k.startswith(_OUTER_KEY)]
+        if not own_keys:
             return  # weights saved without optimizer state: nothing to restore
         if not self.built:
-            self._deferred_state = {k: np.asarray(store[k]) for k in store.keys()}
+            self._deferred_state = {k: np.asarray(store[k]) for k in keys}
             self._restore_counters(self._deferred_state)
             return
         variables = self.variables
-        if len(store.keys()) != len(variables):
+        if len(own_keys) == len(variables) - len(self._nonfinite_variables) and self._nonfinite_variables:
+            variables = variables[: len(own_keys)]  # saved without the skipping counters
+        if len(own_keys) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{self.name}': it has "
                 f"{len(variables)} variables but the saved state has "
-                f"{len(store.keys())}. Was it saved with a different inner "
-                "optimizer, gradient_accumulation_steps or model? To load only "
-                "the model's weights, use keras.saving.load_weights(model, "
-                "path, objects_to_skip=[model.optimizer]) on a .weights.h5 file."
+                f"{len(own_keys)}. Was it saved with a different inner "
+                "optimizer, gradient_accumulation_steps, nonfinite policy or "
+                "model? To load only the model's weights, use "
+                "keras.saving.load_weights(model, path, "
+                "objects_to_skip=[model.optimizer]) on a .weights.h5 file."
             )
         for i, variable in enumerate(variables):
             variable.assign(store[str(i)])
+        if outer_keys:
+            outer_state = {k: np.asarray(store[k]) for k in outer_keys}
+            if self.outer_optimizer is not None:
+                self._load_outer_state(outer_state)
+            else:
+                self._deferred_outer_state = outer_state
 
     def _restore_counters(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore, before build, the two counters that already exist:
@@ -429,15 +658,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         to compute ``initial_epoch``). The rest waits for :meth:`build`,
         which checks that the whole state fits.
 
-        The saved order is :attr:`variables`: ``micro_steps``, then (N > 1)
-        ``grad_received`` of shape ``(n,)`` and ``n`` accumulators, then the
-        inner optimizer's variables, ``iterations`` first.
+        The saved order is :attr:`variables`: ``micro_steps``, then (N > 1,
+        or a skipping ``nonfinite`` policy) ``grad_received`` of shape
+        ``(n,)`` and ``n`` accumulators, then the inner optimizer's variables,
+        ``iterations`` first (then the skip counters).
         """
         inner_vars = self.inner_optimizer.variables
         if not inner_vars or inner_vars[0] is not self.inner_optimizer.iterations:
             return
         own = 1
-        if self.gradient_accumulation_steps > 1:
+        if self._accumulates:
             received = state.get("1")
             if received is None or received.ndim != 1:
                 return
@@ -506,7 +736,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
         import tensorflow as tf
 
-        if self.gradient_accumulation_steps == 1:
+        if not self._accumulates:
             # Pass-through; its writes, too, wait for the gradients (see
             # `_accumulation`: a phantom call at the end of an input of
             # unknown length must not count).
@@ -554,27 +784,53 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         if not tf.distribute.has_strategy() or (
             tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
-            self._micro_step(checked)
+            context = tf.distribute.get_replica_context()
+            all_replicas = None
+            if context is not None and context.num_replicas_in_sync > 1:
+
+                def all_replicas(flag):
+                    bad = context.all_reduce(tf.distribute.ReduceOp.SUM, _nonfinite_count(flag))
+                    return tf.equal(bad, 0.0)
+
+            self._micro_step(checked, all_replicas=all_replicas)
             return
         tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
 
-    def _cross_replica_step(self, distribution: Any, grads: list) -> None:
+    def _cross_replica_step(self, distribution: Any, grads: list, finite: Any = None) -> None:
         # Runs once, in cross-replica context, for all replicas (`grads` holds
         # per-replica values; which are None is the same in every replica).
+        import tensorflow as tf
+
         def each_replica(fn, *args):
             return distribution.extended.call_for_each_replica(fn, args=args)
 
-        self._micro_step(grads, each_replica)
+        def all_replicas(flag):
+            # The skipping policies' one scalar all-reduce per micro-step.
+            bad = distribution.reduce(tf.distribute.ReduceOp.SUM, each_replica(_nonfinite_count, flag), axis=None)
+            return tf.equal(bad, 0.0)
 
-    def _micro_step(self, grads: list, each_replica: Any = None) -> None:
+        self._micro_step(grads, each_replica, all_replicas, finite)
+
+    def _micro_step(self, grads: list, each_replica: Any = None, all_replicas: Any = None, finite: Any = None) -> None:
         acc_lib.micro_step(
             _KerasBackend(self),
-            acc_lib.WindowState(self.acc_grads, self.micro_steps, self.grad_received),
+            acc_lib.WindowState(
+                self.acc_grads,
+                self.micro_steps,
+                self.grad_received,
+                skipped_micro_steps=self.skipped_micro_steps,
+                skipped_windows=self.skipped_windows,
+                window_poisoned=self.window_poisoned,
+                variable_dtypes=[v.dtype for v in self._trainable_variables],
+            ),
             grads,
             self._apply_inner,
             self.gradient_accumulation_steps,
             self.reduction,
             each_replica,
+            nonfinite=self.nonfinite,
+            all_replicas=all_replicas,
+            finite=finite,
         )
 
     def _apply_inner(self, window_grads: list, gates: dict) -> None:
@@ -628,6 +884,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "reduction": self.reduction,
+            "nonfinite": self.nonfinite,
+            "accumulator_dtype": self.accumulator_dtype,
         }
 
     @classmethod
@@ -681,6 +939,57 @@ def _replica_local(variable: Any, value: Any) -> Any:
 
 def _none(_: Any) -> None:
     return None
+
+
+# Key prefix, in this optimizer's saved store, of the variables of a
+# LossScaleOptimizer outside (see `save_own_variables`).
+_OUTER_KEY = "outer_optimizer."
+
+
+def _outer_loss_scale_optimizer(wrapper: Any) -> Any:
+    """The ``keras.optimizers.LossScaleOptimizer`` whose ``inner_optimizer``
+    is ``wrapper``, if one is building it, else ``None``.
+
+    ``LossScaleOptimizer.build`` calls ``inner_optimizer.build``; Keras'
+    ``compile`` under ``"mixed_float16"`` creates its ``LossScaleOptimizer``
+    without telling the inner optimizer, so the only place the inner
+    optimizer meets it is this call: the ``LossScaleOptimizer`` is the
+    ``self`` of a frame up the stack. Looked up once per build.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if (
+            candidate is not wrapper
+            and isinstance(candidate, keras.optimizers.LossScaleOptimizer)
+            and getattr(candidate, "inner_optimizer", None) is wrapper
+        ):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _nonfinite_count(flag: Any) -> Any:
+    """1.0 where the finiteness flag is false (summed over replicas)."""
+    import tensorflow as tf
+
+    return tf.cast(tf.logical_not(flag), tf.float32)
+
+
+def _validate_accumulator_dtype(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        dtype = keras.backend.standardize_dtype(value)
+    except (ValueError, TypeError):
+        dtype = None
+    if dtype is None or not keras.backend.is_float_dtype(dtype):
+        raise ValueError(
+            "`accumulator_dtype` must be None (float32 for float16/bfloat16 "
+            "variables, the variable's dtype otherwise) or a float dtype such "
+            f"as 'float32'. Received: accumulator_dtype={value!r}."
+        )
+    return dtype
 
 
 def _optimizer_tree(opt: Any) -> list:
