@@ -257,6 +257,37 @@ def test_embedding_micro_step_under_mirrored_strategy_is_a_scatter_add(strategy)
     assert int(opt.micro_steps.numpy()) == 1
 
 
+def test_none_gradient_on_the_closing_micro_step_under_mirrored_strategy(strategy):
+    # Hand reference: SGD(0.1), N = 2, 2 replicas. Keras sums the replicas'
+    # gradients (fit scales each replica's loss by 1/replicas; here the raw
+    # gradients go in, as plain Keras would take them). `a` gets 1 then 3 on
+    # each replica: window mean 2 per replica, a = 1 - 0.1 * (2 + 2). `b` gets
+    # 2 on the first micro-step only: window mean 1, b = 1 - 0.1 * (1 + 1).
+    # `c` never gets one: untouched. Every replica runs the gated update at
+    # once around the same inner optimizer.
+    with strategy.scope():
+        a, b, c = (keras.Variable(np.ones(2, "float32"), name=n) for n in "abc")
+        opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), 2)
+        opt.build([a, b, c])
+
+    @tf.function
+    def step(ga, gb):
+        strategy.run(lambda: opt.apply([ga, gb, None], [a, b, c]))
+
+    @tf.function
+    def closing(ga):
+        strategy.run(lambda: opt.apply([ga, None, None], [a, b, c]))
+
+    step(tf.fill((2,), 1.0), tf.fill((2,), 2.0))
+    closing(tf.fill((2,), 3.0))
+    assert int(opt.iterations.numpy()) == 1
+    for v in (a, b, c):
+        for component in strategy.experimental_local_results(v.value):
+            np.testing.assert_allclose(
+                component.numpy(), {"a": 0.6, "b": 0.8, "c": 1.0}[v.name], rtol=1e-6
+            )
+
+
 # --------------------------------------------------------------------------
 # 2. Attributes that Keras reads through a wrapper
 # --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import sys
 import weakref
 from typing import Any, Iterable, Mapping, Sequence
@@ -85,6 +86,9 @@ def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
             "AccumulatingOptimizer instead."
         )
     return inner_optimizer
+
+
+_GATE_LOCK = threading.Lock()
 
 
 def _forwarded(name: str, writable: bool = True) -> property:
@@ -851,11 +855,34 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         (``MultiOptimizer.optimizers``). Global state (``iterations``, EMA over
         all variables, Nadam's momentum product) moves once per update, as in
         the large-batch reference.
+
+        Under ``MirroredStrategy`` every replica runs this at once (in its
+        own thread) around the same inner optimizer, whose per-variable
+        updates then run once, in the ``merge_call``: the first replica to
+        enter installs the gates, the last to leave removes them (the gates
+        are equal in every replica, ``grad_received`` being replicated).
         """
         if not gates:
             yield
             return
         gates = {self._var_key(self._trainable_variables[i]): g for i, g in gates.items()}
+        with _GATE_LOCK:
+            entered = self.__dict__.get("_gate_depth", 0)
+            if entered == 0:
+                object.__setattr__(self, "_remove_gates", self._install_gates(gates))
+            object.__setattr__(self, "_gate_depth", entered + 1)
+        try:
+            yield
+        finally:
+            with _GATE_LOCK:
+                object.__setattr__(self, "_gate_depth", self._gate_depth - 1)
+                if self._gate_depth == 0:
+                    remove = self._remove_gates
+                    object.__setattr__(self, "_remove_gates", None)
+                    remove()
+
+    def _install_gates(self, gates: dict) -> Any:
+        """Patch the gated mutations in; return the function that undoes it."""
         patched = []
         for opt in _optimizer_tree(self.inner_optimizer):
             patched.append(opt)
@@ -868,14 +895,15 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 c = v.constraint
                 constrained.append((v, c))
                 v.constraint = lambda x, gate=gate, c=c: ops.cond(gate, lambda: c(x), lambda: x)
-        try:
-            yield
-        finally:
+
+        def remove() -> None:
             for opt in patched:
                 object.__delattr__(opt, "update_step")
                 object.__delattr__(opt, "_apply_weight_decay")
             for v, c in constrained:
                 v.constraint = c
+
+        return remove
 
     # ---------------------------------------------------------- serialization
     def get_config(self) -> dict:
