@@ -129,7 +129,8 @@ def max_diff(a, b) -> float:
         u, v = np.asarray(u), np.asarray(v)
         assert u.shape == v.shape, (u.shape, v.shape)
         if u.size:
-            worst = max(worst, float(np.max(np.abs(u.astype(np.float64) - v.astype(np.float64)))))
+            d = float(np.max(np.abs(u.astype(np.float64) - v.astype(np.float64))))
+            worst = max(worst, d if np.isfinite(d) else np.inf)  # NaN/inf never passes
     return worst
 
 

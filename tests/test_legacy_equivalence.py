@@ -23,7 +23,7 @@ import reference_keras2 as R  # noqa: E402
 L = tf.keras.optimizers.legacy
 schedules = tf.keras.optimizers.schedules
 
-N, B, UPDATES = 3, 2, 4
+N, B, UPDATES = 3, 2, 3
 TOL = 1e-5  # float32; the float64 test below is tighter
 
 #: Every legacy class, with the variants the issue names.
@@ -50,28 +50,36 @@ VARIANTS = {
     "ExponentialDecay": lambda m: L.Adam(schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)),
     "PiecewiseConstantDecay": lambda m: L.SGD(schedules.PiecewiseConstantDecay([1, 2], [0.3, 0.03, 0.003])),
     "CosineDecay(warmup)": lambda m: L.SGD(
-        schedules.CosineDecay(0.0, decay_steps=4, warmup_target=0.2, warmup_steps=2), momentum=0.9
+        schedules.CosineDecay(0.0, decay_steps=2, warmup_target=0.2, warmup_steps=2), momentum=0.9
     ),
     "decay=": lambda m: L.SGD(0.2, decay=1.0),  # lr / (1 + decay * iterations)
 }
 
 
-def check_pair(ref, acc, tol=TOL):
+def check_pair(ref, acc, tol=TOL, updates=UPDATES):
     """The assertions every equivalence test makes; returns the max
     difference over the trajectory (weights and inner state)."""
     assert R.moved(ref) > 1e-3, "training must move the weights for the comparison to mean something"
-    assert int(acc["opt"].iterations.numpy()) == UPDATES == int(ref["inner"].iterations.numpy())
-    assert int(acc["opt"].micro_steps.numpy()) == N * UPDATES
+    assert int(acc["opt"].iterations.numpy()) == updates == int(ref["inner"].iterations.numpy())
+    assert int(acc["opt"].micro_steps.numpy()) == N * updates
     worst = R.trajectory_diff(ref, acc)
     assert worst <= tol, worst
     assert R.state_diff(ref, acc) <= tol
     return worst
 
 
-@pytest.mark.parametrize("mode", ["graph", "eager"])
 @pytest.mark.parametrize("name", list(LEGACY))
-def test_equivalence_every_legacy_optimizer(name, mode):
-    ref, acc = R.run_pair(LEGACY[name], N, B, UPDATES, eager=mode == "eager")
+def test_equivalence_every_legacy_optimizer(name):
+    ref, acc = R.run_pair(LEGACY[name], N, B, UPDATES)
+    check_pair(ref, acc)
+
+
+# Eagerly (both runs): the optimizers whose eager and traced arithmetic
+# differ the most (fused kernels vs. composite ops, Nadam's python-side
+# momentum cache), and one plain case.
+@pytest.mark.parametrize("name", ["SGD(momentum)", "Adam(amsgrad)", "Nadam", "Ftrl"])
+def test_equivalence_eager(name):
+    ref, acc = R.run_pair(LEGACY[name], N, B, UPDATES, eager=True)
     check_pair(ref, acc)
 
 
