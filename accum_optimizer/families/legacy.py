@@ -565,8 +565,9 @@ class _LegacyAccumulating:
         config = dict(config)
         inner = config.pop("inner_optimizer")
         if isinstance(inner, dict):
+            # deserialize lower-cases the class name in place: pass a copy.
             inner = cls._keras.optimizers.deserialize(
-                inner, custom_objects=custom_objects, use_legacy_optimizer=True
+                copy.deepcopy(inner), custom_objects=custom_objects, use_legacy_optimizer=True
             )
         return cls(inner, **config)
 
