@@ -575,19 +575,27 @@ class _LegacyAccumulating:
 class _Backend:
     """:class:`_accumulation.Backend` for ``tf.Variable``s in TF2 (eager or
     ``tf.function``; ordering by automatic control dependencies), replica-local
-    variables included: ``IndexedSlices`` become ``scatter_add``."""
+    variables included: ``IndexedSlices`` become a scatter-add.
+
+    Scatters go to the resource ``handle``: replica-local (``ON_READ``)
+    variables have no ``scatter_add``/``scatter_update``, but in replica
+    context their ``handle`` is the local replica's variable."""
 
     def assign(self, variable: Any, value: Any) -> None:
         variable.assign(value, read_value=False)
 
     def assign_add(self, variable: Any, value: Any) -> None:
         if isinstance(value, tf.IndexedSlices):
-            variable.scatter_add(value)
+            tf.raw_ops.ResourceScatterAdd(
+                resource=variable.handle, indices=value.indices, updates=tf.cast(value.values, variable.dtype)
+            )
         else:
             variable.assign_add(value, read_value=False)
 
     def scatter_update(self, variable: Any, indices: Any, updates: Any) -> None:
-        variable.scatter_update(tf.IndexedSlices(updates, indices))
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=variable.handle, indices=indices, updates=tf.cast(updates, variable.dtype)
+        )
 
     def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> None:
         tf.cond(pred, lambda: _none(true_fn()), lambda: _none(false_fn()))
