@@ -27,10 +27,7 @@ N, B, REPLICAS, UPDATES = 2, 4, 2, 3
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    assert len(tf.config.list_logical_devices("CPU")) >= 2, "conftest.py must configure 2 logical CPUs"
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+# `strategy`: the session-wide 2-replica MirroredStrategy of conftest.py.
 
 
 def _fit(model, opt, x, y, batch, jit_compile=False):

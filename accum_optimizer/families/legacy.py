@@ -247,7 +247,7 @@ class _LegacyAccumulating:
     _HAS_AGGREGATE_GRAD = True
     _keras: Any = None  # the Keras 2 package, set by `wrapper_class`
 
-    def __new__(cls, inner_optimizer: Any = None, *args: Any, **kwargs: Any):
+    def __new__(cls, inner_optimizer: Any = acc_lib.REQUIRED, *args: Any, **kwargs: Any):
         # An inner optimizer of another imported Keras 2 package (tf_keras
         # beside TF 2.15's keras) gets that package's wrapper class.
         package = package_of(inner_optimizer)
@@ -257,14 +257,12 @@ class _LegacyAccumulating:
 
     def __init__(
         self,
-        inner_optimizer: Any,
-        gradient_accumulation_steps: int,
+        inner_optimizer: Any = acc_lib.REQUIRED,
+        gradient_accumulation_steps: int = acc_lib.REQUIRED,
         reduction: str = "mean",
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
-        reduction = acc_lib.validate_reduction(reduction)
         for key in _IGNORED_CONFIG_KEYS:
             kwargs.pop(key, None)
         for arg, default in _INNER_ONLY_ARGS.items():
@@ -278,13 +276,9 @@ class _LegacyAccumulating:
                     f"{self._keras.__name__}.optimizers.legacy.Adam({arg}=...), "
                     "where it acts once per update on the window's gradient."
                 )
-        if kwargs:
-            received = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
-            raise TypeError(
-                "AccumulatingOptimizer got unexpected keyword argument(s): "
-                f"{received}. Accepted: inner_optimizer, "
-                "gradient_accumulation_steps, reduction, name."
-            )
+        acc_lib.check_arguments(inner_optimizer, gradient_accumulation_steps, kwargs)
+        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        reduction = acc_lib.validate_reduction(reduction)
         inner = _resolve_inner(inner_optimizer, self._keras)
         super().__init__(name)
         self._hypers_created = True  # the wrapper has no hyperparameters of its own
