@@ -287,6 +287,7 @@ class _LegacyAccumulating:
         self.gradient_accumulation_steps = steps
         self.reduction = reduction
         self._built = False
+        self._sparse_seen: set[int] = set()
         self._var_key = _var_key_fn(self._keras)
 
     # ------------------------------------------------------------------ state
@@ -481,9 +482,18 @@ class _LegacyAccumulating:
         self._micro_step(grads, each_replica)
 
     def _micro_step(self, grads: list, each_replica: Any = None) -> None:
+        # Row trackers are exposed only for variables that have had sparse
+        # gradients (remembered at trace time): `_accumulation.sparse_window`
+        # hands a tracked variable without a gradient on the closing
+        # micro-step a sparse window, which a dense variable (one with a
+        # constraint, say) must not get.
+        for i, g in enumerate(grads):
+            if isinstance(acc_lib._local(g), tf.IndexedSlices):
+                self._sparse_seen.add(i)
+        rows = [t if i in self._sparse_seen else None for i, t in enumerate(self.touched_rows)]
         acc_lib.micro_step(
             _Backend(),
-            acc_lib.WindowState(self.acc_grads, self.micro_steps, self.grad_received, self.touched_rows),
+            acc_lib.WindowState(self.acc_grads, self.micro_steps, self.grad_received, rows),
             grads,
             self._apply_inner,
             self.gradient_accumulation_steps,
