@@ -49,11 +49,14 @@ class AccumulatingOptimizer(metaclass=_DispatchByFamily):
     ``inner_optimizer``:
 
     * a ``keras.optimizers.Optimizer`` (Keras 3):
-      :class:`accum_optimizer.families.keras3.AccumulatingOptimizer`.
+      :class:`accum_optimizer.families.keras3.AccumulatingOptimizer`;
     * a ``tf.compat.v1.train.Optimizer`` (TF1 graph code):
       :class:`accum_optimizer.families.tf1.AccumulatingOptimizer`, itself a
       ``tf.compat.v1.train.Optimizer`` (``minimize``/``apply_gradients``
-      return the op of one micro-step; ``global_step`` counts updates).
+      return the op of one micro-step; ``global_step`` counts updates);
+    * a Keras 2 legacy ``OptimizerV2`` (``tf.keras.optimizers.legacy.*`` on
+      TF <= 2.15 or with ``tf_keras``) or a tensorflow-addons optimizer:
+      :class:`accum_optimizer.families.legacy.AccumulatingOptimizer`.
 
     A string or config dict (``"adam"``) is resolved by the active
     ``tf.keras``' ``optimizers.get``. Every wrapper takes the same arguments

@@ -100,10 +100,14 @@ class WindowState:
         micro_steps: int64 scalar, micro-steps taken (units: micro-steps).
         grad_received: int64 vector ``(num_variables,)``, 1 where a variable
             has had a gradient in the current window.
-        touched_rows: per variable, an int8 vector ``(shape[0],)`` marking the
-            rows a sparse gradient touched in this window (``shape[0]`` bytes:
-            1/(4·row width) of a float32 accumulator), or ``None`` where the
-            family hands the inner optimizer a dense window gradient.
+        touched_rows: per variable, a vector ``(shape[0],)`` marking (> 0) the
+            rows a sparse gradient touched in this window, or ``None`` where
+            the family hands the inner optimizer a dense window gradient. Any
+            numeric dtype: int8 costs ``shape[0]`` bytes (1/(4·row width) of a
+            float32 accumulator); an adapter whose trackers are summed
+            ``ON_READ`` variables under ``tf.distribute`` uses a float dtype,
+            because restoring a summed int divides it by the replica count
+            and truncates a mark of 1 to 0.
         skipped_micro_steps: int64 scalar, non-finite micro-steps whose
             gradients were dropped (both skipping policies; units:
             micro-steps). Needed for ``nonfinite != "propagate"``.
@@ -249,6 +253,44 @@ def check_window_state(state: WindowState, nonfinite: str) -> None:
             f"nonfinite={nonfinite!r} needs WindowState fields {missing}; the "
             "adapter did not supply them."
         )
+
+
+def validate_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> None:
+    """Raise ValueError if a gradient's static shape differs from its variable's.
+
+    ``grads[i]`` is a tensor, a ``tf.IndexedSlices`` (its static
+    ``dense_shape`` is checked) or ``None`` (skipped); dimensions unknown at
+    trace time are skipped here (the adapter checks them when the step runs).
+    ``name_of(variable)`` names the variable in the message.
+    """
+    for g, v in zip(grads, variables):
+        if g is None:
+            continue
+        g_shape, v_shape = _gradient_shape(g), tuple(v.shape)
+        if g_shape is None:
+            continue
+        if len(g_shape) != len(v_shape) or any(
+            a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)
+        ):
+            raise ValueError(
+                f"Gradient shape {g_shape} does not match the shape {v_shape} "
+                f"of variable {name_of(v)!r}; each gradient must have "
+                "its variable's shape."
+            )
+
+
+def _gradient_shape(value: Any) -> tuple | None:
+    """Static shape of a gradient (``dense_shape`` of a ``tf.IndexedSlices``),
+    ``None`` where unknown (unknown rank, or a dense_shape known only at run time)."""
+    if isinstance(value, tf.IndexedSlices):
+        if value.dense_shape is None:
+            return None
+        static = tf.get_static_value(value.dense_shape)
+        return None if static is None else tuple(int(d) for d in static)
+    shape = getattr(value, "shape", None)
+    if shape is None or shape.rank is None:
+        return None
+    return tuple(None if d is None else int(d) for d in shape)
 
 
 # ------------------------------------------------------------ the algorithm

@@ -83,6 +83,9 @@ FAMILIES = [
     # check is cheap and imports nothing.
     Family("TF1 (tf.compat.v1.train.Optimizer)", "tf1", _is_tf1),
     Family("Keras 3 (keras.optimizers.Optimizer)", "keras3", _is_keras3),
+    # Before any Keras 2 new-API row: legacy optimizers are Keras 2 optimizers too.
+    Family("Keras 2 legacy OptimizerV2 and tensorflow-addons (tf.keras.optimizers.legacy.Optimizer)",
+           "legacy", _is_legacy),
 ]
 
 

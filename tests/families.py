@@ -54,11 +54,18 @@ def legacy_keras_requested() -> bool:
     return os.environ.get("TF_USE_LEGACY_KERAS", None) in ("true", "True", "1")
 
 
-def _tf_keras_version() -> str:
-    """Version of the Keras that ``tf.keras`` resolves to (raises if it cannot load)."""
+def tf_keras_version() -> str:
+    """Version of the Keras that ``tf.keras`` resolves to (raises if it cannot load).
+
+    ``tf.keras`` itself has no ``__version__`` under tf_keras or Keras 3.0,
+    so ask the package its ``Layer`` class comes from (``keras`` or ``tf_keras``).
+    """
+    import importlib
+
     import tensorflow as tf
 
-    return str(tf.keras.__version__)
+    package = tf.keras.layers.Layer.__module__.split(".")[0]
+    return str(importlib.import_module(package).__version__)
 
 
 @functools.cache
@@ -92,7 +99,7 @@ def _probe(family: str) -> str | None:
         return None
 
     # keras2, legacy, tfa: all need tf.keras to be Keras 2.
-    version = _tf_keras_version()
+    version = tf_keras_version()
     if not version.startswith("2."):
         return f"tf.keras is Keras {version} here (TensorFlow {tf.__version__}), not Keras 2"
     if family == "keras2":
@@ -123,6 +130,7 @@ def skip_reason(family: str) -> str | None:
 
 def require(*families: str) -> None:
     """At module level: skip the whole module unless every family is usable."""
+    __tracebackhide__ = True  # report the skip at the test module's line, not here
     for family in families:
         reason = skip_reason(family)
         if reason is not None:
