@@ -726,7 +726,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             g if g is None or _is_tensor_like(g) else ops.convert_to_tensor(g, dtype=v.dtype)
             for g, v in zip(grads, trainable_variables)
         ]
-        _check_gradient_shapes(grads, trainable_variables)
+        acc_lib.validate_gradient_shapes(grads, trainable_variables, _path)
         if all(g is None for g in grads):
             names = [_path(v) for v in trainable_variables]
             raise ValueError(f"No gradients provided for any variable: {names}.")
@@ -1074,40 +1074,3 @@ def _outside_functions():
 
         return tf.init_scope()
     return contextlib.nullcontext()
-
-
-def _static_shape(value: Any) -> tuple | None:
-    dense_shape = getattr(value, "dense_shape", None)  # tf.IndexedSlices
-    if dense_shape is not None:
-        try:
-            import tensorflow as tf
-
-            static = tf.get_static_value(dense_shape)
-        except Exception:  # pragma: no cover - non-TF sparse types
-            static = None
-        return None if static is None else tuple(int(d) for d in static)
-    shape = getattr(value, "shape", None)
-    if shape is None or getattr(shape, "rank", 0) is None:  # unknown rank
-        return None
-    return tuple(None if d is None else int(d) for d in shape)
-
-
-def _check_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any]) -> None:
-    for g, v in zip(grads, variables):
-        if g is None:
-            continue
-        g_shape, v_shape = _static_shape(g), tuple(v.shape)
-        if g_shape is None or len(g_shape) != len(v_shape):
-            if g_shape is not None:
-                _raise_shape(g_shape, v)
-            continue
-        if any(a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)):
-            _raise_shape(g_shape, v)
-
-
-def _raise_shape(g_shape: tuple, v: Any) -> None:
-    raise ValueError(
-        f"Gradient shape {g_shape} does not match the shape {tuple(v.shape)} "
-        f"of variable {_path(v)!r}; each gradient must have "
-        "its variable's shape."
-    )

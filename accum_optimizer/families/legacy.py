@@ -36,7 +36,6 @@ import copy
 import sys
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from accum_optimizer import _accumulation as acc_lib

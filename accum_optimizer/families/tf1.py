@@ -649,7 +649,7 @@ def _check_grads_and_vars(grads_and_vars: Any) -> list:
                     f"The gradient of {v.name!r} must be a tensor, a "
                     f"tf.IndexedSlices or None. Received {g!r} ({e})."
                 ) from None
-            _check_shape(g, v)
+            acc_lib.validate_gradient_shapes([g], [v], _op_name)
         pairs.append((g, v))
     if not pairs:
         raise ValueError("No variables provided: `grads_and_vars` is empty.")
@@ -660,22 +660,3 @@ def _check_grads_and_vars(grads_and_vars: Any) -> list:
             f"{[v.name for _, v in pairs]}. Sum its gradients first."
         )
     return pairs
-
-
-def _check_shape(g: Any, v: Any) -> None:
-    if isinstance(g, tf.IndexedSlices):
-        static = None if g.dense_shape is None else tf.get_static_value(g.dense_shape)
-        g_shape = None if static is None else tuple(int(d) for d in static)
-    else:
-        g_shape = None if g.shape.rank is None else tuple(g.shape.as_list())
-    if g_shape is None:
-        return
-    v_shape = tuple(v.shape.as_list())
-    if len(g_shape) != len(v_shape) or any(
-        a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)
-    ):
-        raise ValueError(
-            f"Gradient shape {g_shape} does not match the shape {v_shape} "
-            f"of variable {_op_name(v)!r}; each gradient must have "
-            "its variable's shape."
-        )
