@@ -262,6 +262,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         nonfinite = acc_lib.validate_nonfinite(nonfinite)
         accumulator_dtype = _validate_accumulator_dtype(accumulator_dtype)
         inner = _resolve_inner(inner_optimizer)
+        if steps > 1 or nonfinite != "propagate":  # (the pass-through goes wherever its inner goes)
+            _check_strategy()
 
         super().__init__(learning_rate=0.0, name=name)
         # The base class made its own `iterations` and `learning_rate`
@@ -330,6 +332,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self._attach_outer(_outer_loss_scale_optimizer(self))
             return
         var_list = list(var_list)
+        if self._accumulates:
+            _check_strategy()
         for v in var_list:
             if self._accumulates and self._overwrite_variable_with_gradient(v):
                 raise ValueError(
@@ -756,19 +760,28 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._tf_apply(full)
 
     def _tf_apply(self, grads: list) -> None:
-        """TensorFlow path: the only place that knows about ``tf.distribute``.
+        """TensorFlow path: the only place that knows about ``tf.distribute``
+        (with :func:`_check_strategy`, which refuses the strategies it cannot
+        serve).
 
-        Under a strategy that needs ``merge_call`` (``MirroredStrategy``), the
-        ``cond`` that picks update steps must run in cross-replica context,
-        because the inner optimizer's update calls ``merge_call`` and a
-        ``merge_call`` inside a replica-context ``cond`` fails (the crash of
-        Keras' built-in accumulation). So, as ``LossScaleOptimizer._tf_apply``
-        does: one ``merge_call``; each replica adds its local gradients into
-        its local (``ON_READ``) slots; the counters move once; and on update
-        steps each replica hands its local window gradient to the inner
-        optimizer, whose usual all-reduce is the one cross-replica reduction
-        of the window. Strategies that need no ``merge_call`` run the
-        micro-step in each replica directly.
+        Under any strategy the ``cond`` that picks update steps runs in
+        cross-replica context, inside one ``merge_call`` (as
+        ``LossScaleOptimizer._tf_apply`` does): each replica adds its local
+        gradients into its local (``ON_READ``) slots; the counters move once;
+        and on update steps each replica hands its local window gradient to
+        the inner optimizer, whose usual all-reduce is the one cross-replica
+        reduction of the window. A replica-context ``cond`` cannot hold the
+        update: the inner optimizer's ``iterations`` (and this wrapper's
+        ``grad_received``) are ``ONLY_FIRST_REPLICA`` variables, and every
+        update of those in replica context is a ``merge_call``
+        (``values.apply_aggregation_replica_context``), which fails inside a
+        ``cond`` -- the crash of Keras' built-in accumulation. That holds for
+        strategies that otherwise need no ``merge_call`` (``MirroredStrategy``
+        and ``MultiWorkerMirroredStrategy`` under XLA on GPUs,
+        ``strategy_supports_no_merge_call()``) too, so they take the same
+        path; their inner optimizer then all-reduces with collectives in
+        replica context, once per update. ``MultiWorkerMirroredStrategy`` on
+        CPUs, or on GPUs without XLA, needs ``merge_call`` anyway.
         """
         import tensorflow as tf
 
@@ -785,18 +798,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             else tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{_op_name(_path(v))}")
             for g, v in zip(grads, self._trainable_variables)
         ]
-        if not tf.distribute.has_strategy() or (
-            tf.__internal__.distribute.strategy_supports_no_merge_call()
-        ):
-            context = tf.distribute.get_replica_context()
-            all_replicas = None
-            if context is not None and context.num_replicas_in_sync > 1:
-
-                def all_replicas(flag):
-                    bad = context.all_reduce(tf.distribute.ReduceOp.SUM, _nonfinite_count(flag))
-                    return tf.equal(bad, 0.0)
-
-            self._micro_step(checked, all_replicas=all_replicas)
+        if not tf.distribute.has_strategy():
+            self._micro_step(checked)
             return
         tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
 
@@ -923,6 +926,55 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+def _check_strategy() -> None:
+    """Refuse the ``tf.distribute`` strategies that cannot accumulate
+    (``ValueError``), at construction and at build under their scope (when
+    the wrapper accumulates; the pass-through goes wherever its inner
+    optimizer goes).
+
+    Accumulation needs synchronous replicas that each own a replica-local
+    (``ON_READ``) accumulator. Strategies of the parameter-server family
+    hold every variable once, on parameter servers or the CPU, and let all
+    replicas update it: the accumulator is shared, each replica adds its
+    part, and the inner optimizer's all-reduce then counts every gradient
+    once per replica (measured under ``CentralStorageStrategy`` with 2
+    replicas: exactly the update of twice the learning rate, no error).
+    ``ParameterServerStrategy`` workers also step asynchronously, so N
+    micro-steps of one worker are no window of the global batch.
+    """
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy():
+        return
+    strategy = tf.distribute.get_strategy()
+    refused = [
+        ("ParameterServerStrategy",
+         (tf.distribute.experimental.ParameterServerStrategy,
+          tf.compat.v1.distribute.experimental.ParameterServerStrategy),
+         "its workers step asynchronously, each at its own pace, so N "
+         "micro-steps of one worker are not a window of the global batch; and "
+         "the accumulators would live once on the parameter servers, shared "
+         "by every worker"),
+        ("CentralStorageStrategy",
+         (tf.distribute.experimental.CentralStorageStrategy,
+          tf.compat.v1.distribute.experimental.CentralStorageStrategy),
+         "it keeps one copy of every variable, shared by all replicas, so the "
+         "accumulators cannot be replica-local: every replica would add into "
+         "the same slot and the inner optimizer's all-reduce would count each "
+         "gradient once per replica (a silently wrong update)"),
+    ]
+    for name, classes, why in refused:
+        if isinstance(strategy, classes):
+            raise ValueError(
+                f"AccumulatingOptimizer does not support {name} (the "
+                f"tf.distribute strategy in scope is {type(strategy).__name__}): "
+                f"{why}. Use tf.distribute.MirroredStrategy on one host or "
+                "tf.distribute.MultiWorkerMirroredStrategy across hosts: "
+                "synchronous replicas, replica-local accumulators, one "
+                "all-reduce per update."
+            )
 
 
 class _KerasBackend:
