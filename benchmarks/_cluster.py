@@ -183,10 +183,11 @@ def run_cluster(argv: Sequence[str], log_dir: Path, timeout: float, num_workers:
                 cluster.wait(timeout)
                 return
             except ClusterError as e:
-                if attempt + 1 < attempts and _port_clash(str(e)):
+                if attempt + 1 < attempts and port_clash(str(e)):
                     continue
                 raise
 
 
-def _port_clash(log: str) -> bool:
+def port_clash(log: str) -> bool:
+    """Does a failed job's log say a worker could not bind its port?"""
     return any(s in log for s in ("Address already in use", "Failed to add port", "Could not start gRPC server"))

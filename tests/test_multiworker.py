@@ -50,7 +50,7 @@ from reference import make_data, make_mlp, max_abs_diff, train, weights
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks._cluster import Cluster, ClusterError  # noqa: E402
+from benchmarks._cluster import Cluster, ClusterError, port_clash  # noqa: E402
 
 pytestmark = pytest.mark.multiworker
 
@@ -103,7 +103,7 @@ def _launch(out: Path, name: str, args: list, num_workers: int, strategy: str,
                 info["attempt"] = attempt
                 return info
             except ClusterError as e:
-                if attempt == 0 and "Address already in use" in str(e):
+                if attempt == 0 and port_clash(str(e)):
                     continue
                 raise
 
@@ -133,10 +133,11 @@ def mirrored(tmp_path_factory):
 
 
 def _results(out: Path, name: str, workers: int = S.WORKERS) -> list[dict]:
-    found = [out / f"{name}.worker{i}.json" for i in range(workers)]
-    found = [p for p in found if p.exists()]
-    assert found, f"no results for {name}"
-    return [json.loads(p.read_text()) for p in found]
+    """Every worker's results of one scenario or run."""
+    paths = [out / f"{name}.worker{i}.json" for i in range(workers)]
+    missing = [p.name for p in paths if not p.exists()]
+    assert not missing, f"missing results: {missing}"
+    return [json.loads(p.read_text()) for p in paths]
 
 
 def _arrays(values) -> list:
