@@ -86,6 +86,7 @@ FAMILIES = [
     # Before any Keras 2 new-API row: legacy optimizers are Keras 2 optimizers too.
     Family("Keras 2 legacy OptimizerV2 and tensorflow-addons (tf.keras.optimizers.legacy.Optimizer)",
            "legacy", _is_legacy),
+    Family("Keras 2 (tf_keras.optimizers.Optimizer, or tf.keras.optimizers.Optimizer on TF <= 2.15)", "keras2", _is_keras2),
 ]
 
 
