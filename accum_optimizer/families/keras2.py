@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -246,8 +247,7 @@ class _Keras2Accumulating:
         package = cls._keras
         if isinstance(inner_optimizer, (str, dict)):
             try:
-                # optimizers.get edits a config dict in place: pass a copy.
-                inner_optimizer = package.optimizers.get(copy.deepcopy(inner_optimizer))
+                inner_optimizer = _deserialize(package, inner_optimizer)
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(
                     "`inner_optimizer` could not be resolved by "
@@ -354,6 +354,23 @@ class _Keras2Accumulating:
         # `variables` (saved and restored together), so hide it there:
         # otherwise its state is written twice.
         return [a for a in super().__dir__() if a != "inner_optimizer"]
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # Keras 2's SavedModel loader revives every saved optimizer as a
+        # `RestoredOptimizer`, whose `_iterations` variable must be bound to a
+        # saved one, or `load_model` fails. So this node lists the inner
+        # optimizer's `iterations` under `_iterations` too: one variable, one
+        # saved value, reached by two names.
+        children = super()._trackable_children(save_type, **kwargs)
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or "_iterations" in children:
+            return children
+        return {**children, "_iterations": inner.iterations}
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        if name == "_iterations" and "inner_optimizer" in self.__dict__:
+            return self.inner_optimizer.iterations
+        return super()._lookup_dependency(name, cached_dependencies)
 
     @property
     def iterations(self) -> Any:
@@ -650,11 +667,7 @@ class _Keras2Accumulating:
         config = dict(config)
         inner = config.pop("inner_optimizer")
         if isinstance(inner, dict):
-            inner = cls._keras.optimizers.deserialize(
-                copy.deepcopy(inner),
-                custom_objects=custom_objects,
-                use_legacy_format="module" not in inner,
-            )
+            inner = _deserialize(cls._keras, inner, custom_objects)
         return cls(inner, **config)
 
 
@@ -761,6 +774,54 @@ class _TFBackend:
 
 
 # ------------------------------------------------------------------ helpers
+def _deserialize(package: Any, identifier: Any, custom_objects: Any = None) -> Any:
+    """An optimizer from a name or a config dict, as ``package`` resolves it.
+
+    ``package.optimizers.get`` first. Keras 2 cannot resolve a
+    current-format config (one with ``"module"``, what its ``serialize``
+    writes) of a class missing from its ``optimizers.deserialize`` table
+    (AdamW in Keras 2.15, Lion and Adafactor in both): it returns the bare
+    class name, or raises in the legacy ``.h5`` loader. Such a config is
+    then resolved the way Keras 2's current deserializer does it: the
+    registered class, else the class ``class_name`` of ``module`` (a
+    ``keras.*`` module meaning this package's), built by ``from_config``.
+    The identifier is copied first (Keras 2 edits a config dict in place).
+
+    Raises:
+        ValueError, KeyError, TypeError: neither way resolves it.
+    """
+    with package.utils.custom_object_scope(custom_objects or {}):
+        try:
+            resolved = package.optimizers.get(copy.deepcopy(identifier))
+            error = None
+        except (ValueError, KeyError, TypeError) as e:
+            resolved, error = None, e
+        if resolved is not None and not isinstance(resolved, str):
+            return resolved
+        if not (isinstance(identifier, dict) and "module" in identifier):
+            if error is not None:
+                raise error
+            raise ValueError(f"Could not interpret optimizer identifier: {identifier!r}")
+        config = copy.deepcopy(identifier)
+        cls = package.saving.get_registered_object(
+            config.get("registered_name") or config["class_name"], custom_objects=custom_objects
+        )
+        if cls is None:
+            module = str(config["module"])
+            if module == "keras" or module.startswith("keras."):
+                owner = package
+                for part in module.split(".")[1:]:
+                    owner = getattr(owner, part, None)
+            else:
+                owner = importlib.import_module(module)
+            cls = getattr(owner, config["class_name"], None)
+        if cls is None:
+            if error is not None:
+                raise error
+            raise ValueError(f"Unknown optimizer: {config['class_name']!r} (module {config['module']!r}).")
+        return cls.from_config(config["config"])
+
+
 def _replica_local(variable: Any) -> Any:
     """This replica's component of a distributed variable (``ON_READ``
     variables support no scatter ops themselves); the variable otherwise."""
