@@ -113,7 +113,7 @@ def wrapper_class(package: Any) -> type:
     class AccumulatingOptimizer(_Keras2Accumulating, base):
         __doc__ = _Keras2Accumulating.__doc__
         _keras = package
-        _plain_weight_decay = base_module._BaseOptimizer._apply_weight_decay
+        _plain_weight_decay = staticmethod(base_module._BaseOptimizer._apply_weight_decay)
         _callable_list = base_module.CallableList
 
     AccumulatingOptimizer.__module__ = __name__
