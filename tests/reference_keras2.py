@@ -240,6 +240,29 @@ def reference_and_accumulated(
     return ref_model, acc_model, ref_opt, acc_opt
 
 
+def optimizer_cases() -> dict:
+    """One factory per Keras 2 new-API optimizer class (and SGD/RMSprop
+    variant); every class Keras 2.15 and tf_keras 2.21 have."""
+    o = keras.optimizers
+    return {
+        "sgd": lambda: o.SGD(0.1),
+        "sgd_momentum": lambda: o.SGD(0.1, momentum=0.9),
+        "sgd_nesterov": lambda: o.SGD(0.1, momentum=0.9, nesterov=True),
+        "adam": lambda: o.Adam(1e-2),
+        "adam_amsgrad": lambda: o.Adam(1e-2, amsgrad=True),
+        "adamw": lambda: o.AdamW(1e-2, weight_decay=0.05),
+        "adamax": lambda: o.Adamax(1e-2),
+        "adagrad": lambda: o.Adagrad(5e-2),
+        "adadelta": lambda: o.Adadelta(1.0),
+        "rmsprop": lambda: o.RMSprop(1e-2),
+        "rmsprop_centered": lambda: o.RMSprop(1e-2, centered=True, momentum=0.5),
+        "nadam": lambda: o.Nadam(1e-2),
+        "ftrl": lambda: o.Ftrl(5e-2, l1_regularization_strength=1e-3, l2_regularization_strength=1e-3),
+        "lion": lambda: o.Lion(1e-3),
+        "adafactor": lambda: o.Adafactor(1e-2),
+    }
+
+
 def optimizer_state(opt) -> list:
     """Every ``tf.Variable`` a Keras 2 optimizer holds, as arrays, in a fixed
     order: ``opt.variables`` (iterations and slots), then the variables held

@@ -22,6 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from reference_keras2 import (  # noqa: E402
     make_mlp,
+    optimizer_cases,
     max_abs_diff,
     optimizer_state,
     reference_and_accumulated,
@@ -34,23 +35,7 @@ schedules = o.schedules
 N, B, WINDOWS = 3, 4, 4
 TOL32, TOL64 = 1e-5, 1e-12
 
-OPTIMIZERS = {
-    "sgd": lambda: o.SGD(0.1),
-    "sgd_momentum": lambda: o.SGD(0.1, momentum=0.9),
-    "sgd_nesterov": lambda: o.SGD(0.1, momentum=0.9, nesterov=True),
-    "adam": lambda: o.Adam(1e-2),
-    "adam_amsgrad": lambda: o.Adam(1e-2, amsgrad=True),
-    "adamw": lambda: o.AdamW(1e-2, weight_decay=0.05),
-    "adamax": lambda: o.Adamax(1e-2),
-    "adagrad": lambda: o.Adagrad(5e-2),
-    "adadelta": lambda: o.Adadelta(1.0),
-    "rmsprop": lambda: o.RMSprop(1e-2),
-    "rmsprop_centered": lambda: o.RMSprop(1e-2, centered=True, momentum=0.5),
-    "nadam": lambda: o.Nadam(1e-2),
-    "ftrl": lambda: o.Ftrl(5e-2, l1_regularization_strength=1e-3, l2_regularization_strength=1e-3),
-    "lion": lambda: o.Lion(1e-3),
-    "adafactor": lambda: o.Adafactor(1e-2),
-}
+OPTIMIZERS = optimizer_cases()
 
 OPTIONS = {
     "clipnorm": lambda: o.Adam(1e-2, clipnorm=0.05),
