@@ -263,6 +263,66 @@ def optimizer_cases() -> dict:
     }
 
 
+# ------------------------------------------------- missing gradients
+def missing_grad_model():
+    """y = a(x) + b(x); b's kernel has a NonNeg constraint and starts with
+    negative entries, so constraining it without an update would show."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((4,))
+    a = keras.layers.Dense(2, name="branch_a")
+    b = keras.layers.Dense(
+        2,
+        name="branch_b",
+        kernel_constraint=keras.constraints.NonNeg(),
+        kernel_initializer=keras.initializers.RandomNormal(stddev=1.0, seed=5),
+    )
+    return keras.Model(inp, [a(inp), b(inp)])
+
+
+def missing_grad_loss(model, xb, yb, uses_b):
+    pa, pb = model(xb)
+    return mse(yb, pa + pb) if uses_b else mse(yb, pa)
+
+
+# Which micro-steps of each window use branch b (N = 4). Window 0: never (b
+# must not move: no update, no weight decay, no constraint, no EMA); window
+# 1: only the first micro-step; window 2: all but the last (a wrapper that
+# drops the window when the last gradient is None loses this sum); window 3:
+# all; window 4: never again, now that b, its moments and its EMA shadow are
+# away from their initial values (slot decay, weight decay and an EMA step
+# would all show).
+MISSING_GRAD_PATTERN = [[False] * 4, [True, False, False, False], [True, True, True, False], [True] * 4, [False] * 4]
+MISSING_GRAD_INNERS = {
+    "adamw_ema": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.2, use_ema=True, ema_momentum=0.9),
+    "sgd_momentum_ema_overwrite": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, weight_decay=0.1, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=1
+    ),
+}
+
+
+def missing_grad_reference(inner_fn, x, y, mb, n=4):
+    """The plain optimizer on the hand-built large batch of each window of
+    ``MISSING_GRAD_PATTERN``: one tape over the window's micro-batch losses,
+    so branch b gets ``None`` where no micro-batch uses it."""
+    model = missing_grad_model()
+    opt = inner_fn()
+    k = 0
+    for w, window in enumerate(MISSING_GRAD_PATTERN):
+        with tf.GradientTape() as tape:
+            losses = [
+                missing_grad_loss(model, x[(k + i) * mb : (k + i + 1) * mb], y[(k + i) * mb : (k + i + 1) * mb], u)
+                for i, u in enumerate(window)
+            ]
+            loss = tf.add_n(losses) / n  # mean over the window's N*B samples
+        k += n
+        grads = tape.gradient(loss, model.trainable_variables)
+        assert (grads[2] is None) == (not any(window))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if w == 0:
+            assert np.any(model.get_layer("branch_b").kernel.numpy() < 0), "b must stay untouched in window 0"
+    return model, opt
+
+
 def optimizer_state(opt) -> list:
     """Every ``tf.Variable`` a Keras 2 optimizer holds, as arrays, in a fixed
     order: ``opt.variables`` (iterations and slots), then the variables held

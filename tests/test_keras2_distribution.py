@@ -20,7 +20,17 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
-from reference_keras2 import make_data, max_abs_diff, optimizer_state, weights  # noqa: E402
+from reference_keras2 import (  # noqa: E402
+    MISSING_GRAD_INNERS,
+    MISSING_GRAD_PATTERN,
+    make_data,
+    max_abs_diff,
+    missing_grad_loss,
+    missing_grad_model,
+    missing_grad_reference,
+    optimizer_state,
+    weights,
+)
 
 keras = tf.keras
 N, B, REPLICAS, WINDOWS, EPOCHS = 4, 8, 2, 2, 2
@@ -166,3 +176,39 @@ def test_slots_hold_each_replicas_own_unreduced_sum(strategy):
         assert max_abs_diff(components, [expected[r][i] for r in range(REPLICAS)]) <= 1e-6
         assert max_abs_diff([acc.numpy()], [sum(components)]) == 0.0
     assert np.any(opt.acc_grads[0].values[0].numpy() != opt.acc_grads[0].values[1].numpy())
+
+
+def test_missing_gradients_are_gated_in_every_replica(strategy):
+    # The missing-gradient pattern of test_keras2_semantics (a branch without
+    # gradients for whole windows and on a window's last micro-step; weight
+    # decay, EMA overwrite and a constraint that must not touch it) in a
+    # custom loop under the strategy: the gated updates run in the
+    # cross-replica apply and in weight decay's own merge_call. Reference:
+    # the single-device hand-built large batch (`missing_grad_reference`).
+    mb = 4
+    inner_fn = MISSING_GRAD_INNERS["sgd_momentum_ema_overwrite"]
+    x, y = make_data(N * len(MISSING_GRAD_PATTERN) * mb, in_dim=4, out_dim=2)
+    ref_model, ref_opt = missing_grad_reference(inner_fn, x, y, mb)
+    with strategy.scope():
+        model = missing_grad_model()
+        opt = AccumulatingOptimizer(inner_fn(), N)
+        opt.build(model.trainable_variables)
+
+    def replica_step(xb, yb, uses_b):
+        with tf.GradientTape() as tape:
+            loss = missing_grad_loss(model, xb, yb, uses_b) / REPLICAS
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    @tf.function
+    def step(xb, yb, uses_b):
+        strategy.run(replica_step, args=(xb, yb, uses_b))
+
+    k = 0
+    for window in MISSING_GRAD_PATTERN:
+        for uses_b in window:
+            batch = tf.data.Dataset.from_tensor_slices((x[k * mb : (k + 1) * mb], y[k * mb : (k + 1) * mb])).batch(mb)
+            step(*next(iter(strategy.experimental_distribute_dataset(batch))), uses_b)
+            k += 1
+    assert int(opt.iterations.numpy()) == len(MISSING_GRAD_PATTERN)
+    assert max_abs_diff(weights(ref_model), weights(model)) <= 1e-6
+    assert max_abs_diff(optimizer_state(ref_opt), optimizer_state(opt.inner_optimizer)) <= 1e-6

@@ -16,7 +16,19 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
-from reference_keras2 import make_data, make_mlp, max_abs_diff, mse, optimizer_state, weights  # noqa: E402
+from reference_keras2 import (  # noqa: E402
+    MISSING_GRAD_INNERS as INNERS,
+    MISSING_GRAD_PATTERN as PATTERN,
+    make_data,
+    make_mlp,
+    max_abs_diff,
+    missing_grad_loss as _micro_loss,
+    missing_grad_model as _two_branch_model,
+    missing_grad_reference as _reference_pattern,
+    mse,
+    optimizer_state,
+    weights,
+)
 
 keras = tf.keras
 o = keras.optimizers
@@ -93,62 +105,6 @@ def test_fit_non_update_batches_leave_inner_state_bitwise_untouched():
 
 
 # ----------------------------------------------------------- missing grads
-def _two_branch_model():
-    """y = a(x) + b(x); b's kernel has a NonNeg constraint and starts with
-    negative entries, so constraining it without an update would show."""
-    keras.utils.set_random_seed(3)
-    inp = keras.Input((4,))
-    a = keras.layers.Dense(2, name="branch_a")
-    b = keras.layers.Dense(
-        2,
-        name="branch_b",
-        kernel_constraint=keras.constraints.NonNeg(),
-        kernel_initializer=keras.initializers.RandomNormal(stddev=1.0, seed=5),
-    )
-    return keras.Model(inp, [a(inp), b(inp)])
-
-
-def _micro_loss(model, xb, yb, uses_b):
-    pa, pb = model(xb)
-    return mse(yb, pa + pb) if uses_b else mse(yb, pa)
-
-
-# Which micro-steps of each window use branch b (N = 4). Window 0: never (b
-# must not move: no update, no weight decay, no constraint, no EMA); window
-# 1: only the first micro-step; window 2: all but the last (a wrapper that
-# drops the window when the last gradient is None loses this sum); window 3:
-# all; window 4: never again, now that b, its moments and its EMA shadow are
-# away from their initial values (slot decay, weight decay and an EMA step
-# would all show).
-PATTERN = [[False] * 4, [True, False, False, False], [True, True, True, False], [True] * 4, [False] * 4]
-INNERS = {
-    "adamw_ema": lambda: o.AdamW(1e-2, weight_decay=0.2, use_ema=True, ema_momentum=0.9),
-    "sgd_momentum_ema_overwrite": lambda: o.SGD(
-        0.1, momentum=0.9, weight_decay=0.1, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=1
-    ),
-}
-
-
-def _reference_pattern(inner_fn, x, y, mb, n=4):
-    model = _two_branch_model()
-    opt = inner_fn()
-    k = 0
-    for w, window in enumerate(PATTERN):
-        with tf.GradientTape() as tape:
-            losses = [
-                _micro_loss(model, x[(k + i) * mb : (k + i + 1) * mb], y[(k + i) * mb : (k + i + 1) * mb], u)
-                for i, u in enumerate(window)
-            ]
-            loss = tf.add_n(losses) / n  # mean over the window's N*B samples
-        k += n
-        grads = tape.gradient(loss, model.trainable_variables)
-        assert (grads[2] is None) == (not any(window))
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        if w == 0:
-            assert np.any(model.get_layer("branch_b").kernel.numpy() < 0), "b must stay untouched in window 0"
-    return model, opt
-
-
 @pytest.mark.parametrize("subset", [False, True], ids=["none_grads", "variable_subset"])
 @pytest.mark.parametrize("inner", sorted(INNERS))
 def test_missing_gradients_lose_nothing_and_unused_variables_do_not_move(inner, subset):
