@@ -98,10 +98,6 @@ def test_sum_reduction_matches_large_batch_of_summed_losses():
     _check("adam", OPTIMIZERS["adam"], "graph", reduction="sum")
 
 
-def test_jit_compiled_custom_loop_matches_jit_compiled_large_batch():
-    _check("cosine_warmup_adamw_ema", OPTIONS["cosine_warmup_adamw_ema"], "xla")
-
-
 def test_schedule_sees_updates_not_micro_steps():
     # Hand-derived: ExponentialDecay(0.2, 1, 0.3, staircase) at update k is
     # 0.2 * 0.3**k; the current learning rate the inner optimizer holds after

@@ -290,13 +290,21 @@ def test_config_round_trip_through_keras2_serialization(make_inner_fn):
         assert rebuilt.get_config() == config
 
 
-def test_load_model_in_a_fresh_process_needs_only_the_package_import(runs):
+def test_fresh_process_import_registers_the_wrapper_and_load_model_needs_nothing_else(runs):
+    # `import accum_optimizer` in a fresh process registers the Keras 2
+    # wrapper with the active tf.keras and imports neither Keras 3 (on TF 2.21
+    # with TF_USE_LEGACY_KERAS=1) nor the Keras 3 family; then load_model
+    # rebuilds the wrapper from each model format with nothing else imported.
     code = (
         "import sys, tensorflow as tf, accum_optimizer\n"
+        "keras = sys.modules.get('keras')\n"
+        "print(keras is None or keras.__version__.startswith('2.'), 'accum_optimizer.families.keras3' in sys.modules)\n"
+        "registered = tf.keras.utils.get_registered_object('accum_optimizer>AccumulatingOptimizer')\n"
+        "print(registered.__module__, registered.__name__)\n"
         "for p in sys.argv[1:]:\n"
         "    o = tf.keras.models.load_model(p).optimizer\n"
         "    built = getattr(o, '_built', False)\n"
-        "    print(type(o).__module__, type(o).__name__, int(o.micro_steps.numpy()) if built else 'unbuilt')\n"
+        "    print(type(o) is registered, int(o.micro_steps.numpy()) if built else 'unbuilt')\n"
     )
     paths = [os.path.join(runs.dir, PATHS[f]) for f in ("keras", "h5", "savedmodel")]
     out = subprocess.run(
@@ -304,6 +312,10 @@ def test_load_model_in_a_fresh_process_needs_only_the_package_import(runs):
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()[-3:]
-    module = "accum_optimizer.families.keras2 AccumulatingOptimizer"
-    assert lines == [f"{module} {SAVE_AT}", f"{module} {SAVE_AT}", f"{module} unbuilt"]
+    assert out.stdout.strip().splitlines()[-5:] == [
+        "True False",
+        "accum_optimizer.families.keras2 AccumulatingOptimizer",
+        f"True {SAVE_AT}",
+        f"True {SAVE_AT}",
+        "True unbuilt",
+    ]

