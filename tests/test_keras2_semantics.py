@@ -237,3 +237,31 @@ def test_fit_matches_fit_at_batch_n_b(jit_compile):
     assert max_abs_diff(weights(ref), weights(make_mlp(0))) > 1e-3
     assert max_abs_diff(weights(ref), weights(acc)) <= 1e-5
     assert max_abs_diff(optimizer_state(ref.optimizer), optimizer_state(acc.optimizer.inner_optimizer)) <= 1e-5
+
+
+def test_loss_scale_optimizer_outside_matches_its_large_batch():
+    # Keras 2's LossScaleOptimizer (dynamic scale) around the wrapper, the
+    # placement for mixed precision, against the same LossScaleOptimizer
+    # around the plain inner at batch N*B.
+    n, mb, windows = 4, 3, 4
+    x, y = make_data(n * mb * windows)
+
+    def run(opt, model, batch, steps):
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = opt.get_scaled_loss(mse(yb, model(xb)))
+            grads = opt.get_unscaled_gradients(tape.gradient(loss, model.trainable_variables))
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        for s in range(steps):
+            step(tf.constant(x[s * batch : (s + 1) * batch]), tf.constant(y[s * batch : (s + 1) * batch]))
+
+    ref, acc = make_mlp(0), make_mlp(0)
+    ref_opt = keras.mixed_precision.LossScaleOptimizer(o.Adam(1e-2))
+    acc_opt = keras.mixed_precision.LossScaleOptimizer(AccumulatingOptimizer(o.Adam(1e-2), n))
+    run(ref_opt, ref, n * mb, windows)
+    run(acc_opt, acc, mb, n * windows)
+    assert (int(acc_opt.inner_optimizer.micro_steps.numpy()), int(acc_opt.inner_optimizer.iterations.numpy())) == (n * windows, windows)
+    assert max_abs_diff(weights(ref), weights(acc)) <= 1e-5
+    assert max_abs_diff(optimizer_state(ref_opt.inner_optimizer), optimizer_state(acc_opt.inner_optimizer.inner_optimizer)) <= 1e-5
