@@ -60,12 +60,6 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 
 
 # ----------------------------------------------------------------- packages
-def _package_of(obj: Any) -> Any:
-    """The top-level package (``tf_keras`` or ``keras``) that defines ``obj``'s class."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    return sys.modules.get(cls.__module__.split(".")[0])
-
-
 def _keras2_package_of(optimizer: Any) -> Any:
     """The imported Keras 2 package whose new-API ``Optimizer`` ``optimizer``
     is an instance of, or None."""
