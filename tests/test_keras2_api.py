@@ -152,6 +152,22 @@ def test_unknown_kwargs_are_rejected_naming_the_argument_and_value():
         AccumulatingOptimizer(o.SGD(), 2, bogus_option=12345)
 
 
+def test_missing_required_arguments_are_named():
+    with pytest.raises(TypeError, match=_all_of("missing the required argument", "`gradient_accumulation_steps`")):
+        AccumulatingOptimizer(o.SGD())
+    with pytest.raises(TypeError, match=_all_of("missing the required argument", "`inner_optimizer`")):
+        keras2_family.AccumulatingOptimizer(gradient_accumulation_steps=2)
+
+
+def test_numerics_arguments_of_the_keras3_family_accept_only_their_defaults():
+    opt = AccumulatingOptimizer(o.SGD(), 2, nonfinite="propagate", accumulator_dtype=None)
+    assert type(opt) is keras2_family.AccumulatingOptimizer
+    with pytest.raises(ValueError, match=_all_of("nonfinite='skip_window'", "not supported", "'propagate'")):
+        AccumulatingOptimizer(o.SGD(), 2, nonfinite="skip_window")
+    with pytest.raises(ValueError, match=_all_of("`accumulator_dtype`", "accumulator_dtype='float32'", "None")):
+        AccumulatingOptimizer(o.SGD(), 2, accumulator_dtype="float32")
+
+
 def _one_good_micro_step():
     model = make_mlp(0)
     vs = model.trainable_variables

@@ -176,12 +176,17 @@ class _Keras2Accumulating:
     for a zero row of a dense gradient as for a row absent from an
     ``IndexedSlices`` one, so the result matches the sparse large batch).
 
+    ``nonfinite`` and ``accumulator_dtype`` (the Keras 3 family's non-finite
+    policies and wider accumulators) accept only their defaults here,
+    ``"propagate"`` and ``None``.
+
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras 2 new-API optimizer, or
-            ``gradient_accumulation_steps`` is not an int, or an unknown
-            keyword argument is given.
+            ``gradient_accumulation_steps`` is not an int, or a required
+            argument is missing, or an unknown keyword argument is given.
         ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
-            ``("mean", "sum")``; ``inner_optimizer`` is a
+            ``("mean", "sum")``; ``nonfinite`` other than ``"propagate"`` or
+            an ``accumulator_dtype``; ``inner_optimizer`` is a
             ``LossScaleOptimizer`` or already an ``AccumulatingOptimizer``;
             base-optimizer arguments (``clipnorm``, ``weight_decay``, ...) are
             passed to the wrapper instead of the inner optimizer.
@@ -191,7 +196,7 @@ class _Keras2Accumulating:
     _plain_weight_decay: Any
     _callable_list: Any
 
-    def __new__(cls, inner_optimizer: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, inner_optimizer: Any = acc_lib.REQUIRED, *args: Any, **kwargs: Any) -> Any:
         # An inner optimizer of another imported Keras 2 package (tf_keras and
         # Keras 2.15 in one process) gets that package's wrapper class.
         package = _keras2_package_of(inner_optimizer)
@@ -201,14 +206,14 @@ class _Keras2Accumulating:
 
     def __init__(
         self,
-        inner_optimizer: Any,
-        gradient_accumulation_steps: int,
+        inner_optimizer: Any = acc_lib.REQUIRED,
+        gradient_accumulation_steps: int = acc_lib.REQUIRED,
         reduction: str = "mean",
         name: str | None = None,
+        nonfinite: str = "propagate",
+        accumulator_dtype: Any = None,
         **kwargs: Any,
     ) -> None:
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
-        reduction = acc_lib.validate_reduction(reduction)
         for arg, default in _INNER_ONLY_ARGS.items():
             if arg not in kwargs:
                 continue
@@ -220,12 +225,20 @@ class _Keras2Accumulating:
                     f"{self._keras.__name__}.optimizers.Adam({arg}=...), where it "
                     "acts once per update on the window's gradient."
                 )
-        if kwargs:
-            received = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
-            raise TypeError(
-                "AccumulatingOptimizer got unexpected keyword argument(s): "
-                f"{received}. Accepted: inner_optimizer, "
-                "gradient_accumulation_steps, reduction, name."
+        acc_lib.check_arguments(
+            inner_optimizer, gradient_accumulation_steps, kwargs,
+            accepted=acc_lib.ARGUMENTS + acc_lib.NUMERICS_ARGUMENTS,
+        )
+        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        reduction = acc_lib.validate_reduction(reduction)
+        # The non-finite policies and wider accumulators of the Keras 3 family
+        # are not implemented here yet: their defaults only.
+        acc_lib.validate_nonfinite(nonfinite, supported=("propagate",))
+        if accumulator_dtype is not None:
+            raise ValueError(
+                "`accumulator_dtype` is not supported by the Keras 2 family yet "
+                f"(received accumulator_dtype={accumulator_dtype!r}); the "
+                "accumulators take each variable's dtype. Accepted: None."
             )
         inner = self._resolve_inner(inner_optimizer)
         super().__init__(name=name or "AccumulatingOptimizer", jit_compile=False)
@@ -510,7 +523,7 @@ class _Keras2Accumulating:
             g if g is None or _is_tensor_like(g) else tf.convert_to_tensor(g, dtype=v.dtype)
             for g, v in zip(grads, trainable_variables)
         ]
-        _check_gradient_shapes(grads, trainable_variables)
+        acc_lib.validate_gradient_shapes(grads, trainable_variables, lambda v: v.name)
         if all(g is None for g in grads):
             names = [v.name for v in trainable_variables]
             raise ValueError(f"No gradients provided for any variable: {names}.")
@@ -863,33 +876,6 @@ def _is_tensor_like(value: Any) -> bool:
 
 def _op_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-/" else "_" for c in name)
-
-
-def _static_shape(value: Any) -> tuple | None:
-    if isinstance(value, tf.IndexedSlices):
-        static = tf.get_static_value(value.dense_shape)
-        return None if static is None else tuple(int(d) for d in static)
-    shape = value.shape
-    if shape.rank is None:
-        return None
-    return tuple(shape.as_list())
-
-
-def _check_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any]) -> None:
-    for g, v in zip(grads, variables):
-        if g is None:
-            continue
-        g_shape, v_shape = _static_shape(g), tuple(v.shape)
-        if g_shape is None:
-            continue
-        if len(g_shape) != len(v_shape) or any(
-            a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)
-        ):
-            raise ValueError(
-                f"Gradient shape {g_shape} does not match the shape {v_shape} "
-                f"of variable {v.name!r}; each gradient must have "
-                "its variable's shape."
-            )
 
 
 AccumulatingOptimizer = wrapper_class(_default_package())
