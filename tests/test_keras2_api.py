@@ -185,7 +185,7 @@ def _assert_unchanged(before, after):
         np.testing.assert_array_equal(a, b)
 
 
-def test_bad_apply_gradients_calls_raise_and_leave_state_untouched():
+def test_bad_apply_gradients_calls_raise_and_leave_state_untouched(strategy):
     vs, opt = _one_good_micro_step()
     before = _state(opt, vs)
     bad = [tf.ones_like(v) for v in vs]
@@ -198,7 +198,6 @@ def test_bad_apply_gradients_calls_raise_and_leave_state_untouched():
     stranger = tf.Variable(tf.ones((2,)), name="stranger")
     with pytest.raises(ValueError, match=_all_of("Unknown variable", "stranger")):
         opt.apply_gradients([(tf.ones((2,)), stranger)])
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         with pytest.raises(ValueError, match=_all_of("replica context", "cross-replica")):
             opt.apply_gradients(zip([tf.ones_like(v) for v in vs], vs))

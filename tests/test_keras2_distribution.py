@@ -37,12 +37,7 @@ N, B, REPLICAS, WINDOWS, EPOCHS = 4, 8, 2, 2, 2
 VOCAB = 120  # >= the 96 ids of one window
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    assert len(tf.config.list_logical_devices("CPU")) >= 2, "conftest.py must configure 2 logical CPUs"
-    s = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    assert s.num_replicas_in_sync == REPLICAS
-    return s
+# `strategy`: conftest.py's session-wide 2-replica MirroredStrategy.
 
 
 def _model(seed=0):
