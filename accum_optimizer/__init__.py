@@ -56,7 +56,11 @@ class AccumulatingOptimizer(metaclass=_DispatchByFamily):
       return the op of one micro-step; ``global_step`` counts updates);
     * a Keras 2 legacy ``OptimizerV2`` (``tf.keras.optimizers.legacy.*`` on
       TF <= 2.15 or with ``tf_keras``) or a tensorflow-addons optimizer:
-      :class:`accum_optimizer.families.legacy.AccumulatingOptimizer`.
+      :class:`accum_optimizer.families.legacy.AccumulatingOptimizer`;
+    * a Keras 2 new-API optimizer (``tf.keras.optimizers.*`` on TF <= 2.15,
+      ``tf_keras.optimizers.*``):
+      :class:`accum_optimizer.families.keras2.AccumulatingOptimizer`, a
+      subclass of that package's ``Optimizer``.
 
     A string or config dict (``"adam"``) is resolved by the active
     ``tf.keras``' ``optimizers.get``. Every wrapper takes the same arguments

@@ -86,6 +86,7 @@ FAMILIES = [
     # Before any Keras 2 new-API row: legacy optimizers are Keras 2 optimizers too.
     Family("Keras 2 legacy OptimizerV2 and tensorflow-addons (tf.keras.optimizers.legacy.Optimizer)",
            "legacy", _is_legacy),
+    Family("Keras 2 (tf_keras.optimizers.Optimizer, or tf.keras.optimizers.Optimizer on TF <= 2.15)", "keras2", _is_keras2),
 ]
 
 
@@ -110,10 +111,16 @@ def resolve_identifier(identifier: Any) -> Any:
     Raises:
         ValueError: the active Keras cannot resolve it.
     """
-    _, package = active_keras()
+    kind, package = active_keras()
     try:
         # optimizers.get edits a config dict in place: pass a copy.
-        return package.optimizers.get(copy.deepcopy(identifier))
+        resolved = package.optimizers.get(copy.deepcopy(identifier))
+        if kind == "keras2" and isinstance(resolved, str):
+            # Keras 2's optimizers.get returns the bare class name for a
+            # current-format config of a class missing from its lookup table
+            # (AdamW in 2.15, Lion, Adafactor); its saving API resolves it.
+            resolved = package.saving.deserialize_keras_object(copy.deepcopy(identifier))
+        return resolved
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"`inner_optimizer` could not be resolved by {package.__name__}.optimizers.get "

@@ -9,4 +9,6 @@ an instance of that family's optimizer base class.
 * :mod:`~accum_optimizer.families.legacy`: Keras 2 legacy ``OptimizerV2``
   (``tf.keras.optimizers.legacy``, ``tf_keras.optimizers.legacy``) and
   every tensorflow-addons optimizer.
+* :mod:`~accum_optimizer.families.keras2`: the Keras 2 new optimizer API
+  (``tf_keras.optimizers``, ``tf.keras.optimizers`` on TF <= 2.15).
 """
