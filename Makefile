@@ -7,7 +7,7 @@
 #
 #   leg        venv                 what it proves
 #   k3         .venv                TF 2.21 + Keras 3.15 (also used by demo/bench)
-#   k3-oldest  .venvs/k3-oldest     the oldest pyproject claims: TF 2.16 + Keras 3.3
+#   k3-oldest  .venvs/k3-oldest     the oldest pyproject claims: TF 2.16.2 + Keras 3.15.0
 #   tfkeras    .venvs/tfkeras       TF 2.21 + tf_keras 2.21 (TF_USE_LEGACY_KERAS=1)
 #   tf215      .venvs/tf215         TF 2.15.1 + its Keras 2.15 + tensorflow-addons 0.23
 #
@@ -26,18 +26,19 @@ LEGS ?= k3 k3-oldest tfkeras tf215
 # ---- per-leg environment: directory, Python, extras, pins, pytest env/args
 DIR_k3         := $(VENV)
 PYTHON_k3      := $(PYTHON)
-EXTRAS_k3      := test,demo
+EXTRAS_k3      := test,demo,keras3
 PINS_k3        := tensorflow==2.21.* keras==3.15.*
 ENV_k3         :=
 ARGS_k3        :=
 
 DIR_k3-oldest    := $(VENVS)/k3-oldest
 PYTHON_k3-oldest := $(PYTHON)
-EXTRAS_k3-oldest := test
-PINS_k3-oldest   := tensorflow==2.16.2 keras==3.3.3
+EXTRAS_k3-oldest := test,keras3
+PINS_k3-oldest   := tensorflow==2.16.2 keras==3.15.0
 ENV_k3-oldest    :=
-# The bounded property tests and the benchmark smoke run are left to k3.
-ARGS_k3-oldest   := -k 'not test_property_ and not test_counters_and_values_hand_derived' --ignore=tests/test_benchmarks_smoke.py
+# Keras < 3.15 fails the suite (see README, Compatibility). The slowest
+# property test and the benchmark smoke run (no matplotlib here) are left to k3.
+ARGS_k3-oldest   := -k 'not test_property_accumulation_matches_large_batch' --ignore=tests/test_benchmarks_smoke.py
 
 DIR_tfkeras    := $(VENVS)/tfkeras
 PYTHON_tfkeras := $(PYTHON)

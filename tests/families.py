@@ -54,11 +54,18 @@ def legacy_keras_requested() -> bool:
     return os.environ.get("TF_USE_LEGACY_KERAS", None) in ("true", "True", "1")
 
 
-def _tf_keras_version() -> str:
+def tf_keras_version() -> str:
     """Version of the Keras that ``tf.keras`` resolves to (raises if it cannot load)."""
     import tensorflow as tf
 
-    return str(tf.keras.__version__)
+    version = getattr(tf.keras, "__version__", None)
+    if version is None:
+        # Keras 3.0's `tf.keras` (keras._tf_keras.keras) has no __version__.
+        import keras
+
+        if tf.keras.layers.Layer is keras.layers.Layer:
+            version = keras.__version__
+    return str(version)
 
 
 @functools.cache
@@ -92,7 +99,7 @@ def _probe(family: str) -> str | None:
         return None
 
     # keras2, legacy, tfa: all need tf.keras to be Keras 2.
-    version = _tf_keras_version()
+    version = tf_keras_version()
     if not version.startswith("2."):
         return f"tf.keras is Keras {version} here (TensorFlow {tf.__version__}), not Keras 2"
     if family == "keras2":

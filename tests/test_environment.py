@@ -89,7 +89,7 @@ def test_exactly_the_leg_families_are_usable():
 def test_keras_flavour_matches_the_leg():
     import keras
 
-    tf_keras_version = str(tf.keras.__version__)
+    tf_keras_version = families.tf_keras_version()
     legacy_env = families.legacy_keras_requested()
     if LEG in ("k3", "k3-oldest"):
         # Keras 3 is both `keras` and `tf.keras`; no Keras 2 around.
