@@ -55,17 +55,17 @@ def legacy_keras_requested() -> bool:
 
 
 def tf_keras_version() -> str:
-    """Version of the Keras that ``tf.keras`` resolves to (raises if it cannot load)."""
+    """Version of the Keras that ``tf.keras`` resolves to (raises if it cannot load).
+
+    ``tf.keras`` itself has no ``__version__`` under tf_keras or Keras 3.0,
+    so ask the package its ``Layer`` class comes from (``keras`` or ``tf_keras``).
+    """
+    import importlib
+
     import tensorflow as tf
 
-    version = getattr(tf.keras, "__version__", None)
-    if version is None:
-        # Keras 3.0's `tf.keras` (keras._tf_keras.keras) has no __version__.
-        import keras
-
-        if tf.keras.layers.Layer is keras.layers.Layer:
-            version = keras.__version__
-    return str(version)
+    package = tf.keras.layers.Layer.__module__.split(".")[0]
+    return str(importlib.import_module(package).__version__)
 
 
 @functools.cache
@@ -130,6 +130,7 @@ def skip_reason(family: str) -> str | None:
 
 def require(*families: str) -> None:
     """At module level: skip the whole module unless every family is usable."""
+    __tracebackhide__ = True  # report the skip at the test module's line, not here
     for family in families:
         reason = skip_reason(family)
         if reason is not None:
