@@ -99,7 +99,7 @@ test:
 	  $(MAKE) --no-print-directory venv-$$leg || { failed=$$((failed+1)); summary+="$$leg: install FAILED"$$'\n'; continue; }; \
 	  mid=$$SECONDS; \
 	  $(MAKE) --no-print-directory test-$$leg 2>&1 | tee $(VENVS)/.test-$$leg.log; rc=$${PIPESTATUS[0]}; \
-	  line=$$(grep -E '^=+ .* in [0-9.]+s' $(VENVS)/.test-$$leg.log | tail -n 1 | sed -E 's/^=+ | =+$$//g'); \
+	  line=$$(grep -E '^(=+ )?[0-9a-z ,]*(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' $(VENVS)/.test-$$leg.log | tail -n 1 | sed -E 's/^=+ | =+$$//g'); \
 	  [ $$rc -eq 0 ] && result=ok || { result=FAILED; failed=$$((failed+1)); }; \
 	  summary+="$$leg: $$result ($${line:-no pytest summary}); install $$((mid-start)) s, tests $$((SECONDS-mid)) s"$$'\n'; \
 	done; \
