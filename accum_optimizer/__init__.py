@@ -1,13 +1,80 @@
-"""Gradient accumulation for TensorFlow 2 / Keras 3 that trains like the large batch.
+"""Gradient accumulation for TensorFlow and Keras that trains like the large batch.
 
     from accum_optimizer import AccumulatingOptimizer
     opt = AccumulatingOptimizer(keras.optimizers.AdamW(1e-3), gradient_accumulation_steps=8)
 
-Importing this package registers ``AccumulatingOptimizer`` with Keras'
-serialization, so ``keras.models.load_model`` needs no ``custom_objects``.
+``AccumulatingOptimizer(inner_optimizer, ...)`` returns the wrapper of the
+inner optimizer's family (the way ``pathlib.Path(...)`` returns a
+``PosixPath``), an instance of that family's optimizer base class; the family
+classes live in :mod:`accum_optimizer.families`. Importing this package
+registers the wrappers of the active Keras with its serialization, so
+``load_model`` needs no ``custom_objects``.
 """
 
-from accum_optimizer.keras_optimizer import AccumulatingOptimizer
+from __future__ import annotations
+
+from typing import Any
+
+from accum_optimizer import _accumulation, _dispatch
 
 __all__ = ["AccumulatingOptimizer", "__version__"]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
+
+
+class _DispatchByFamily(type):
+    """``AccumulatingOptimizer(...)`` builds the family's wrapper, and
+    ``isinstance(x, AccumulatingOptimizer)`` holds for every family's."""
+
+    def __call__(cls, inner_optimizer: Any = _accumulation.REQUIRED, *args: Any, **kwargs: Any) -> Any:
+        if inner_optimizer is _accumulation.REQUIRED:
+            _accumulation.check_arguments(inner_optimizer, None, {
+                k: v for k, v in kwargs.items()
+                if k not in _accumulation.ARGUMENTS + _accumulation.NUMERICS_ARGUMENTS})
+        if isinstance(inner_optimizer, (str, dict)):
+            inner_optimizer = _dispatch.resolve_identifier(inner_optimizer)
+        return _dispatch.family_of(inner_optimizer).wrapper()(inner_optimizer, *args, **kwargs)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, _dispatch.loaded_wrappers())
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, _dispatch.loaded_wrappers())
+
+
+class AccumulatingOptimizer(metaclass=_DispatchByFamily):
+    """Accumulate gradients over micro-batches; update once per window.
+
+    ``AccumulatingOptimizer(inner_optimizer, gradient_accumulation_steps,
+    reduction="mean", name=None)`` returns the wrapper for the family of
+    ``inner_optimizer``:
+
+    * a ``keras.optimizers.Optimizer`` (Keras 3):
+      :class:`accum_optimizer.families.keras3.AccumulatingOptimizer`;
+    * a ``tf.compat.v1.train.Optimizer`` (TF1 graph code):
+      :class:`accum_optimizer.families.tf1.AccumulatingOptimizer`, itself a
+      ``tf.compat.v1.train.Optimizer`` (``minimize``/``apply_gradients``
+      return the op of one micro-step; ``global_step`` counts updates);
+    * a Keras 2 legacy ``OptimizerV2`` (``tf.keras.optimizers.legacy.*`` on
+      TF <= 2.15 or with ``tf_keras``) or a tensorflow-addons optimizer:
+      :class:`accum_optimizer.families.legacy.AccumulatingOptimizer`.
+
+    A string or config dict (``"adam"``) is resolved by the active
+    ``tf.keras``' ``optimizers.get``. Every wrapper takes the same arguments
+    and has the same semantics; see the family class for the details.
+
+    Raises:
+        TypeError: ``inner_optimizer`` belongs to no supported family (the
+            message names its type and the families), or an argument has the
+            wrong type.
+        ValueError: an argument has a bad value (the family class lists them).
+    """
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: Any = None) -> Any:
+        """Rebuild a wrapper from ``get_config()`` of any family's wrapper."""
+        inner = config["inner_optimizer"]
+        family = _dispatch.family_of(_dispatch.resolve_identifier(inner) if isinstance(inner, (str, dict)) else inner)
+        return family.wrapper().from_config(config, custom_objects=custom_objects)
+
+
+_dispatch.register_active_families()

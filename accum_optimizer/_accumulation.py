@@ -1,51 +1,186 @@
-"""The accumulation algorithm, in one place.
+"""The accumulation algorithm, in one place, for every optimizer family.
 
-Every adapter (the Keras 3 optimizer in :mod:`accum_optimizer.keras_optimizer`
-today; Keras 2, tensorflow-addons and TF1 graph code later) runs the same
-micro-step, written here once against a small :class:`StateOps` protocol:
+Each family (Keras 3 in :mod:`accum_optimizer.keras3`; Keras 2, legacy
+``OptimizerV2`` / tensorflow-addons and TF1 graph code beside it) is a thin
+adapter: it owns the variables, supplies a :class:`Backend` (how to assign,
+assign-add, scatter-update and branch in its world) and a function that calls
+its inner optimizer once, and calls :func:`micro_step`. The whole algorithm is
+:func:`micro_step`; one call is one micro-step:
 
-1. ``acc_grads[i] += grads[i]`` for every gradient that is not ``None``
-   (a scatter-add for sparse ``tf.IndexedSlices`` gradients, never a
-   densification), and ``grad_received[i] = 1`` for those variables.
+1. ``acc_grads[i] += grads[i]`` for every gradient that is not ``None`` (a
+   scatter-add for ``tf.IndexedSlices``, never a densification), and
+   ``grad_received[i] = 1`` for those variables. Where the family tracks
+   touched rows, ``touched_rows[i][indices] = 1``.
 2. ``micro_steps += 1``.
-3. If ``micro_steps % gradient_accumulation_steps == 0`` (the last micro-step of
-   a window), hand ``window_gradient(acc_grads[i])`` to the inner optimizer
-   once, gated per variable by ``grad_received[i]``, then zero ``acc_grads``
-   (:func:`reset`) and ``grad_received``. Otherwise do nothing else: the model weights and
-   every inner-optimizer variable stay bitwise untouched.
+3. If ``micro_steps % gradient_accumulation_steps == 0`` (the last micro-step
+   of a window): call the inner optimizer once with the window's gradient
+   (:func:`window_gradient`: the sum, divided by N for ``"mean"``), gated per
+   variable by ``grad_received``, then zero the accumulators and
+   ``grad_received``. Otherwise nothing else happens: the model weights and
+   every variable of the inner optimizer stay bitwise untouched.
 
-The names follow optax's ``MultiSteps``: ``acc_grads`` are the accumulator
+Every write of a micro-step (steps 1-3) waits for that micro-step's gradients
+(a control dependency on them). Without it, a traced step whose input
+pipeline ends (``OutOfRange`` from a dataset of unknown length, which Keras
+hits once per epoch) would still run the counter writes, which have no data
+dependency on the gradients: a phantom micro-step per epoch.
+
+Non-finite gradients (``nonfinite=``, :data:`NONFINITE_POLICIES`): with
+``"propagate"`` (the default) the steps above are all there is. With
+``"skip_micro_step"`` or ``"skip_window"`` one boolean scalar, "every
+gradient of this micro-step is finite on every replica", gates them (one
+``is_finite`` reduction per gradient, combined in the graph, plus one scalar
+all-reduce under a multi-replica strategy; no host sync). ``"skip_micro_step"``: a non-finite
+micro-step adds nothing and is not counted (``skipped_micro_steps += 1``), so
+the window takes one more micro-batch. ``"skip_window"``: it is counted but
+adds nothing and marks the window; the window's last micro-step then discards
+the window instead of updating (accumulators zeroed, the inner optimizer not
+called, ``skipped_windows += 1``), as the large batch would skip its step.
+
+Mixed precision: accumulators may have a wider dtype than their variables
+(float32 for 16-bit weights): each gradient is cast to the accumulator's
+dtype when it is added, and the window gradient is cast to the variable's
+dtype once, after the division by N (:attr:`WindowState.variable_dtypes`).
+
+State names follow optax's ``MultiSteps``: ``acc_grads`` are the accumulator
 slots, ``micro_steps`` counts micro-steps (optax's ``mini_step`` is
 ``micro_steps % gradient_accumulation_steps``), and the inner optimizer's
 ``iterations`` counts updates (optax's ``gradient_step``).
 
-The functions are pure in the sense that all state lives in the variables
-passed in; what "assign" and "cond" mean is the adapter's business, so the
-same code runs eagerly, inside ``tf.function``, under XLA and in each replica
-of a ``tf.distribute`` strategy.
+All families run on TensorFlow, so the arithmetic here is ``tf``; what
+"assign" and "cond" mean (Keras 3 variables in a ``tf.function``, TF1 graph
+ops that must be ordered by hand, replica-local variables under
+``tf.distribute``) is the adapter's business.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+import tensorflow as tf
 
 REDUCTIONS = ("mean", "sum")
+NONFINITE_POLICIES = ("propagate", "skip_micro_step", "skip_window")
 
 
-class StateOps(Protocol):
-    """What the algorithm needs from a backend adapter.
+class Backend(Protocol):
+    """What the algorithm needs from a family's adapter.
 
-    ``assign_add`` must turn a sparse value (``tf.IndexedSlices``) into a
-    scatter-add on the variable; that is what keeps sparse accumulation
-    sparse. Keras 3's ``Optimizer.assign_add`` does exactly this on the
-    TensorFlow backend.
+    Each method may return the op or tensor it created (TF1 graph code needs
+    them to order the steps; the returned values are used only as control
+    dependencies) or ``None`` (eager and ``tf.function`` code is ordered by
+    TensorFlow's automatic control dependencies).
     """
 
-    def assign(self, variable: Any, value: Any) -> None: ...
+    def assign(self, variable: Any, value: Any) -> Any:
+        """``variable = value``."""
 
-    def assign_add(self, variable: Any, value: Any) -> None: ...
+    def assign_add(self, variable: Any, value: Any) -> Any:
+        """``variable += value``; a ``tf.IndexedSlices`` value must become a
+        scatter-add on the variable (that keeps sparse accumulation sparse)."""
 
+    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
+        """``variable[indices] = updates`` along the first axis (only called
+        when the family tracks touched rows)."""
+
+    def cond(self, pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        """Run ``true_fn`` if the boolean scalar ``pred`` holds, else
+        ``false_fn``. Both return ``None`` (or ops, for TF1)."""
+
+
+@dataclasses.dataclass
+class WindowState:
+    """The variables of one accumulation window, owned by the adapter.
+
+    Attributes:
+        acc_grads: one accumulator per trainable variable (in build order),
+            its shape and dtype.
+        micro_steps: int64 scalar, micro-steps taken (units: micro-steps).
+        grad_received: int64 vector ``(num_variables,)``, 1 where a variable
+            has had a gradient in the current window.
+        touched_rows: per variable, a vector ``(shape[0],)`` marking (> 0) the
+            rows a sparse gradient touched in this window, or ``None`` where
+            the family hands the inner optimizer a dense window gradient. Any
+            numeric dtype: int8 costs ``shape[0]`` bytes (1/(4·row width) of a
+            float32 accumulator); an adapter whose trackers are summed
+            ``ON_READ`` variables under ``tf.distribute`` uses a float dtype,
+            because restoring a summed int divides it by the replica count
+            and truncates a mark of 1 to 0.
+        skipped_micro_steps: int64 scalar, non-finite micro-steps whose
+            gradients were dropped (both skipping policies; units:
+            micro-steps). Needed for ``nonfinite != "propagate"``.
+        skipped_windows: int64 scalar, windows discarded by
+            ``"skip_window"`` (units: windows). Needed for ``"skip_window"``.
+        window_poisoned: int64 scalar, 1 while the current window has had a
+            non-finite micro-step (``"skip_window"``). Needed for
+            ``"skip_window"``.
+        variable_dtypes: per variable, the dtype its window gradient is cast
+            to (the variable's, where the accumulator is wider), or ``None``:
+            the accumulator's dtype, no cast.
+    """
+
+    acc_grads: Sequence[Any]
+    micro_steps: Any
+    grad_received: Any
+    touched_rows: Sequence[Any] | None = None
+    skipped_micro_steps: Any = None
+    skipped_windows: Any = None
+    window_poisoned: Any = None
+    variable_dtypes: Sequence[Any] | None = None
+
+    def rows_tracker(self, i: int) -> Any:
+        return None if self.touched_rows is None else self.touched_rows[i]
+
+
+# ------------------------------------------------------------------ checks
+class _Required:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED: Any = _Required()
+"""Default of the wrappers' required arguments, so that a missing one gets
+:func:`check_arguments`' message rather than Python's."""
+
+ARGUMENTS = ("inner_optimizer", "gradient_accumulation_steps", "reduction", "name")
+NUMERICS_ARGUMENTS = ("nonfinite", "accumulator_dtype")
+"""Arguments of the families that supply the state of :data:`NONFINITE_POLICIES`
+and wider accumulators (Keras 3 today)."""
+
+
+def check_arguments(
+    inner_optimizer: Any, gradient_accumulation_steps: Any, unknown: dict, accepted: Sequence[str] = ARGUMENTS
+) -> None:
+    """Raise ``TypeError`` for unknown keyword arguments (naming the close
+    match, e.g. ``steps`` -> ``gradient_accumulation_steps``) and for a
+    missing ``inner_optimizer`` or ``gradient_accumulation_steps``.
+    ``accepted``: the family's arguments, for the message."""
+    if unknown:
+        import difflib
+
+        received = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
+        hints = []
+        for key in sorted(unknown):
+            close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.3)
+            close = close or [a for a in accepted if key in a]
+            if close:
+                hints.append(f"`{key}` -> `{close[0]}`")
+        hint = f" Did you mean {', '.join(hints)}?" if hints else ""
+        raise TypeError(
+            "AccumulatingOptimizer got unexpected keyword argument(s): "
+            f"{received}. Accepted: {', '.join(accepted)}.{hint}"
+        )
+    for arg, value in (("inner_optimizer", inner_optimizer),
+                       ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if value is REQUIRED:
+            raise TypeError(
+                f"AccumulatingOptimizer is missing the required argument `{arg}`: "
+                "AccumulatingOptimizer(inner_optimizer, gradient_accumulation_steps, "
+                "reduction='mean', name=None), e.g. AccumulatingOptimizer("
+                "keras.optimizers.Adam(1e-3), gradient_accumulation_steps=4)."
+            )
 
 def validate_gradient_accumulation_steps(value: Any) -> int:
     """Return ``value`` as an ``int`` >= 1 or raise.
@@ -84,38 +219,245 @@ def validate_reduction(value: Any) -> str:
     return value
 
 
-def is_update_step(micro_steps: Any, gradient_accumulation_steps: int, ops: Any) -> Any:
-    """Boolean scalar: does the micro-step just counted close a window?
+def validate_nonfinite(value: Any, supported: Sequence[str] = NONFINITE_POLICIES) -> str:
+    """Return ``value`` if it is one of ``supported`` (a family passes the
+    policies it supplies the state for), else raise ValueError."""
+    if not isinstance(value, str) or value not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"`nonfinite` must be one of {NONFINITE_POLICIES}: 'propagate' applies "
+            "every micro-batch gradient as it is (a NaN or Inf reaches the "
+            "weights, as in large-batch training), 'skip_micro_step' drops a "
+            "micro-step whose gradients are not all finite (the window takes "
+            "one more micro-batch), 'skip_window' discards the whole window "
+            f"that contains one. Received: nonfinite={value!r}."
+        )
+    if value not in supported:
+        raise ValueError(
+            f"nonfinite={value!r} is not supported by this optimizer family yet "
+            f"(supported: {tuple(supported)}); its wrapper does not keep the "
+            "counters the skipping policies need."
+        )
+    return value
 
-    ``micro_steps`` is the count *after* incrementing (int64 scalar tensor).
-    ``ops`` is ``keras.ops`` (or any namespace with ``equal`` and ``mod``).
+
+def check_window_state(state: WindowState, nonfinite: str) -> None:
+    """Raise ValueError if ``state`` lacks a variable ``nonfinite`` needs."""
+    needed = {
+        "propagate": (),
+        "skip_micro_step": ("skipped_micro_steps",),
+        "skip_window": ("skipped_micro_steps", "skipped_windows", "window_poisoned"),
+    }[validate_nonfinite(nonfinite)]
+    missing = [name for name in needed if getattr(state, name) is None]
+    if missing:
+        raise ValueError(
+            f"nonfinite={nonfinite!r} needs WindowState fields {missing}; the "
+            "adapter did not supply them."
+        )
+
+
+def validate_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> None:
+    """Raise ValueError if a gradient's static shape differs from its variable's.
+
+    ``grads[i]`` is a tensor, a ``tf.IndexedSlices`` (its static
+    ``dense_shape`` is checked) or ``None`` (skipped); dimensions unknown at
+    trace time are skipped here (the adapter checks them when the step runs).
+    ``name_of(variable)`` names the variable in the message.
     """
-    return ops.equal(ops.mod(micro_steps, gradient_accumulation_steps), 0)
+    for g, v in zip(grads, variables):
+        if g is None:
+            continue
+        g_shape, v_shape = _gradient_shape(g), tuple(v.shape)
+        if g_shape is None:
+            continue
+        if len(g_shape) != len(v_shape) or any(
+            a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)
+        ):
+            raise ValueError(
+                f"Gradient shape {g_shape} does not match the shape {v_shape} "
+                f"of variable {name_of(v)!r}; each gradient must have "
+                "its variable's shape."
+            )
 
 
-def window_gradient(acc: Any, gradient_accumulation_steps: int, reduction: str, ops: Any) -> Any:
-    """The gradient one update applies, from one accumulator slot.
+def _gradient_shape(value: Any) -> tuple | None:
+    """Static shape of a gradient (``dense_shape`` of a ``tf.IndexedSlices``),
+    ``None`` where unknown (unknown rank, or a dense_shape known only at run time)."""
+    if isinstance(value, tf.IndexedSlices):
+        if value.dense_shape is None:
+            return None
+        static = tf.get_static_value(value.dense_shape)
+        return None if static is None else tuple(int(d) for d in static)
+    shape = getattr(value, "shape", None)
+    if shape is None or shape.rank is None:
+        return None
+    return tuple(None if d is None else int(d) for d in shape)
 
-    ``mean``: ``acc / N``. For a loss that is a mean over its micro-batch of B
-    samples this is exactly the gradient of the mean loss over the N*B samples
-    of the window (micro-steps where the variable had no gradient contribute
-    zero, as the missing samples' terms do in the large batch).
-    ``sum``: ``acc``, the recipe of summing micro-batch gradients.
-    """
-    if reduction == "sum" or gradient_accumulation_steps == 1:
-        return acc
-    return ops.divide(acc, ops.cast(gradient_accumulation_steps, acc.dtype))
 
-
-def accumulate(
-    state_ops: StateOps,
-    acc_grads: Sequence[Any],
+# ------------------------------------------------------------ the algorithm
+def micro_step(
+    backend: Backend,
+    state: WindowState,
     grads: Sequence[Any],
-) -> None:
-    """Step 1: ``acc_grads[i] += grads[i]`` for each gradient that is not None."""
-    for acc, grad in zip(acc_grads, grads):
-        if grad is not None:
-            state_ops.assign_add(acc, grad)
+    apply_inner: Callable[[list, dict], Any],
+    gradient_accumulation_steps: int,
+    reduction: str,
+    each_replica: Callable[..., Any] | None = None,
+    *,
+    nonfinite: str = "propagate",
+    all_replicas: Callable[[Any], Any] | None = None,
+    finite: Any = None,
+) -> Any:
+    """One micro-step: accumulate, count, and on a window's last micro-step update.
+
+    Args:
+        backend: the family's :class:`Backend`.
+        state: the window's variables.
+        grads: one entry per variable of ``state`` (build order): a dense
+            tensor of the variable's shape, a ``tf.IndexedSlices``, or
+            ``None``. Under ``tf.distribute`` in cross-replica context, the
+            per-replica values.
+        apply_inner: ``apply_inner(window_grads, gates)`` calls the inner
+            optimizer once with one window gradient per variable (dense, or
+            ``tf.IndexedSlices`` over the touched rows). ``gates`` maps the
+            index of each variable without a gradient on *this* micro-step to
+            a boolean scalar, true iff it had one earlier in the window; the
+            adapter must skip every update of a variable whose gate is false
+            (its weight, slots, weight decay and constraint).
+        gradient_accumulation_steps: N (>= 1), micro-steps per window.
+        reduction: ``"mean"`` or ``"sum"``.
+        each_replica: ``each_replica(fn, *args)`` runs ``fn`` in every replica
+            (``call_for_each_replica``); default: call it here.
+        nonfinite: one of :data:`NONFINITE_POLICIES` (see the module
+            docstring); the skipping policies need the matching
+            :class:`WindowState` fields (:func:`check_window_state`).
+        all_replicas: ``all_replicas(flag)`` turns this micro-step's
+            finiteness flag (a boolean scalar in each replica: the
+            per-replica value that ``each_replica`` returns) into one boolean
+            scalar, true iff the flag holds on every replica, so that every
+            replica skips together: one scalar all-reduce
+            (``distribution.reduce``). Default: the flag itself (one
+            replica). Called once per micro-step by the skipping policies
+            only; ``"propagate"`` adds no reduction.
+        finite: optional boolean scalar (the same on every replica) that
+            replaces the finiteness check of ``grads``: the verdict of a check
+            done elsewhere. The Python constant ``False`` (with every gradient
+            ``None``) records a micro-step that an outer loss-scale optimizer
+            skipped (it never reached this optimizer); nothing of the update
+            is then built. Ignored by ``"propagate"``.
+
+    Returns:
+        What ``backend.cond`` returns (an op for TF1 graph code).
+    """
+    each_replica = each_replica or _call
+    check_window_state(state, nonfinite)
+    mask = received_mask(grads)
+    sparse = [sparse_window(g, state.rows_tracker(i)) for i, g in enumerate(grads)]
+    with tf.control_dependencies(gradient_tensors(grads)):
+        if nonfinite == "propagate":
+            ok = None
+            accumulated = each_replica(accumulate, backend, state, grads)
+        elif finite is False:
+            return skipped_micro_step(backend, state, gradient_accumulation_steps, nonfinite, each_replica)
+        else:
+            if finite is not None:
+                ok = tf.convert_to_tensor(finite, tf.bool)
+            else:
+                ok = (all_replicas or _identity)(each_replica(all_finite, grads))
+            accumulated = backend.cond(ok, lambda: each_replica(accumulate, backend, state, grads), _noop)
+        with tf.control_dependencies(_ops(accumulated)):
+            counted = count(backend, state, mask, nonfinite, ok)
+        with tf.control_dependencies(_ops(counted)):
+            closes = is_update_step(state.micro_steps, gradient_accumulation_steps)
+            if nonfinite == "skip_micro_step":
+                # A skipped micro-step is not counted: `micro_steps` still
+                # holds the count that closed the previous window.
+                closes = tf.logical_and(ok, closes)
+
+            def update() -> Any:
+                applied = each_replica(apply_window, backend, state, sparse, mask, apply_inner,
+                                       gradient_accumulation_steps, reduction)
+                with tf.control_dependencies(_ops(applied)):
+                    return backend.assign(state.grad_received, tf.zeros_like(state.grad_received))
+
+            if nonfinite != "skip_window":
+                return backend.cond(closes, update, _noop)
+
+            def discard() -> Any:
+                return discard_window(backend, state, sparse, each_replica)
+
+            def close() -> Any:
+                poisoned = tf.greater(tf.convert_to_tensor(state.window_poisoned), 0)
+                return backend.cond(poisoned, discard, update)
+
+            return backend.cond(closes, close, _noop)
+
+
+def skipped_micro_step(
+    backend: Backend, state: WindowState, gradient_accumulation_steps: int, nonfinite: str, each_replica: Callable
+) -> Any:
+    """A micro-step known to be non-finite when it is built (one that an
+    outer loss-scale optimizer skipped): what :func:`micro_step` does with a
+    false finiteness flag, without building the accumulation or the update.
+    ``"skip_micro_step"``: ``skipped_micro_steps += 1``. ``"skip_window"``:
+    also ``micro_steps += 1`` and the window is marked; if that closes the
+    window, it is discarded (:func:`discard_window`)."""
+    sparse = [False] * len(state.acc_grads)
+    skipped = [increment(backend, state.skipped_micro_steps)]
+    if nonfinite == "skip_micro_step":
+        return skipped
+    skipped += [
+        backend.assign(state.window_poisoned, tf.ones_like(state.window_poisoned)),
+        increment(backend, state.micro_steps),
+    ]
+    with tf.control_dependencies(_ops(skipped)):
+        closes = is_update_step(state.micro_steps, gradient_accumulation_steps)
+        return backend.cond(closes, lambda: discard_window(backend, state, sparse, each_replica), _noop)
+
+
+def all_finite(grads: Sequence[Any]) -> Any:
+    """Boolean scalar: every element of every gradient is finite (``None``
+    gradients are ignored). One ``is_finite`` reduction per gradient, combined
+    into one scalar in the graph: no host sync."""
+    flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
+    if not flags:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(flags)) if len(flags) > 1 else flags[0]
+
+
+def sparse_window(grad: Any, tracker: Any) -> bool:
+    """Does the update hand the inner optimizer this variable's window as
+    ``tf.IndexedSlices`` over its touched rows (a trace-time decision)?
+
+    Only for a variable with a row tracker, and then when its gradient on the
+    closing micro-step is a ``tf.IndexedSlices``, or is ``None``: a variable
+    that got its sparse gradients from another train op (TF1 graph code with
+    several train ops sharing one window) must still get the sparse window
+    the large batch would give it. (Rows a dense gradient touched are all
+    marked, so an all-rows window stands for a dense one; a variable without
+    a gradient in the whole window has no touched rows and a false gate.)
+    """
+    if tracker is None:
+        return False
+    return grad is None or isinstance(_local(grad), tf.IndexedSlices)
+
+
+def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any]) -> list:
+    """Step 1: ``acc_grads[i] += grads[i]`` for each gradient that is not None
+    (cast to the accumulator's dtype: a float32 accumulator sums 16-bit
+    gradients exactly), and mark the rows it touched where rows are tracked."""
+    done = []
+    for i, (acc, grad) in enumerate(zip(state.acc_grads, grads)):
+        if grad is None:
+            continue
+        done.append(backend.assign_add(acc, cast_to(grad, acc.dtype)))
+        rows = state.rows_tracker(i)
+        if rows is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices):
+            done.append(backend.scatter_update(rows, grad.indices, tf.ones_like(grad.indices, rows.dtype)))
+        else:  # a dense gradient touches every row
+            done.append(backend.assign(rows, tf.fill(tf.shape(rows), tf.constant(1, rows.dtype))))
+    return done
 
 
 def received_mask(grads: Sequence[Any]) -> list[int]:
@@ -123,25 +465,132 @@ def received_mask(grads: Sequence[Any]) -> list[int]:
     return [0 if g is None else 1 for g in grads]
 
 
-def count_micro_step(
-    state_ops: StateOps,
-    micro_steps: Any,
-    grad_received: Any,
-    mask: Sequence[int],
-    ops: Any,
-) -> None:
+def count_micro_step(backend: Backend, state: WindowState, mask: Sequence[int]) -> list:
     """Step 2: ``micro_steps += 1`` and ``grad_received |= mask``."""
-    state_ops.assign_add(micro_steps, ops.cast(1, micro_steps.dtype))
+    return [increment(backend, state.micro_steps)] + mark_received(backend, state, mask)
+
+
+def mark_received(backend: Backend, state: WindowState, mask: Sequence[int]) -> list:
+    """``grad_received |= mask``."""
+    received = state.grad_received
     if all(mask):
-        state_ops.assign(grad_received, ops.ones_like(grad_received))
-    elif any(mask):
-        state_ops.assign(
-            grad_received,
-            ops.maximum(grad_received, ops.convert_to_tensor(mask, dtype=grad_received.dtype)),
-        )
+        return [backend.assign(received, tf.ones_like(received))]
+    if any(mask):
+        return [backend.assign(received, tf.maximum(received, tf.constant(mask, received.dtype)))]
+    return []
 
 
-def runtime_zero(micro_steps: Any, ops: Any) -> Any:
+def increment(backend: Backend, counter: Any) -> Any:
+    """``counter += 1``."""
+    return backend.assign_add(counter, tf.constant(1, counter.dtype))
+
+
+def count(backend: Backend, state: WindowState, mask: Sequence[int], nonfinite: str, ok: Any) -> Any:
+    """Step 2 under each policy (``ok``: the finiteness flag, or ``None``).
+
+    * ``"propagate"``: :func:`count_micro_step`.
+    * ``"skip_micro_step"``: finite: :func:`count_micro_step`; otherwise only
+      ``skipped_micro_steps += 1`` (the micro-step is not counted).
+    * ``"skip_window"``: ``micro_steps += 1`` either way (the non-finite
+      micro-batch is one of the window's N, as its samples are part of the
+      large batch); finite: ``grad_received |= mask``; otherwise
+      ``skipped_micro_steps += 1`` and the window is marked.
+    """
+    if nonfinite == "propagate":
+        return count_micro_step(backend, state, mask)
+
+    def skipped() -> list:
+        done = [increment(backend, state.skipped_micro_steps)]
+        if nonfinite == "skip_window":
+            done.append(backend.assign(state.window_poisoned, tf.ones_like(state.window_poisoned)))
+        return done
+
+    if nonfinite == "skip_micro_step":
+        return backend.cond(ok, lambda: count_micro_step(backend, state, mask), skipped)
+    counted = increment(backend, state.micro_steps)
+    with tf.control_dependencies(_ops(counted)):
+        return [counted, backend.cond(ok, lambda: mark_received(backend, state, mask), skipped)]
+
+
+def discard_window(backend: Backend, state: WindowState, sparse: Sequence[bool], each_replica: Callable) -> Any:
+    """``"skip_window"`` at the end of a marked window: zero the accumulators
+    (in each replica) and ``grad_received``, clear the mark, and
+    ``skipped_windows += 1``. The inner optimizer is not called, so the
+    weights, its slots, ``iterations``, schedules and EMA do not move."""
+    dropped = each_replica(zero_accumulators, backend, state, sparse)
+    with tf.control_dependencies(_ops(dropped)):
+        return [
+            backend.assign(state.grad_received, tf.zeros_like(state.grad_received)),
+            backend.assign(state.window_poisoned, tf.zeros_like(state.window_poisoned)),
+            increment(backend, state.skipped_windows),
+        ]
+
+
+def zero_accumulators(backend: Backend, state: WindowState, sparse: Sequence[bool]) -> list:
+    """Zero the accumulators (the touched rows only where ``sparse[i]``)."""
+    rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
+    return reset(backend, state, rows, runtime_zero(state.micro_steps))
+
+
+def is_update_step(micro_steps: Any, gradient_accumulation_steps: int) -> Any:
+    """Boolean scalar: does the micro-step just counted close a window?
+    ``micro_steps`` is the count *after* incrementing."""
+    return tf.equal(tf.math.floormod(tf.convert_to_tensor(micro_steps), gradient_accumulation_steps), 0)
+
+
+def apply_window(
+    backend: Backend,
+    state: WindowState,
+    sparse: Sequence[bool],
+    mask: Sequence[int],
+    apply_inner: Callable[[list, dict], Any],
+    gradient_accumulation_steps: int,
+    reduction: str,
+) -> list:
+    """Step 3 (in each replica): the inner update with the window's
+    gradients, then the accumulators zeroed."""
+    rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
+    dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
+    window = [
+        cast_to(window_gradient(acc, gradient_accumulation_steps, reduction, r), dtype)
+        for acc, r, dtype in zip(state.acc_grads, rows, dtypes)
+    ]
+    gates = {i: tf.greater(state.grad_received[i], 0) for i, m in enumerate(mask) if not m}
+    applied = apply_inner(window, gates)
+    with tf.control_dependencies(_ops(applied)):
+        return reset(backend, state, rows, runtime_zero(state.micro_steps))
+
+
+def touched_rows(tracker: Any) -> Any:
+    """int64 vector: the rows marked in ``tracker``, ascending, each once."""
+    return tf.reshape(tf.where(tf.convert_to_tensor(tracker) > 0), [-1])
+
+
+def window_gradient(acc: Any, gradient_accumulation_steps: int, reduction: str, rows: Any = None) -> Any:
+    """The gradient one update applies, from one accumulator slot.
+
+    ``mean``: ``acc / N``. For a loss that is a mean over its micro-batch of B
+    samples this is exactly the gradient of the mean loss over the N*B samples
+    of the window (micro-steps where the variable had no gradient contribute
+    zero, as the missing samples' terms do in the large batch).
+    ``sum``: ``acc``, the recipe of summing micro-batch gradients.
+
+    With ``rows`` (int64 vector of touched rows), a ``tf.IndexedSlices`` over
+    those rows, each once: what a lazy sparse optimizer must see to match the
+    large batch trained on its own sparse gradient.
+    """
+    if rows is None:
+        value = tf.convert_to_tensor(acc)
+    else:
+        value = tf.gather(acc, rows)
+    if reduction == "mean" and gradient_accumulation_steps != 1:
+        value = value / tf.cast(gradient_accumulation_steps, value.dtype)
+    if rows is None:
+        return value
+    return tf.IndexedSlices(value, rows, dense_shape=tf.constant(_static_shape(acc), tf.int64))
+
+
+def runtime_zero(micro_steps: Any) -> Any:
     """A scalar 0 that graph optimizers cannot fold into a constant.
 
     ``assign(acc, zeros(shape))`` with a constant 0 gets constant-folded by
@@ -151,12 +600,91 @@ def runtime_zero(micro_steps: Any, ops: Any) -> Any:
     ``max(min(micro_steps, 0), 0)`` is 0 for every integer but is only known
     when the step runs.
     """
-    return ops.maximum(ops.minimum(micro_steps, 0), 0)
+    micro_steps = tf.convert_to_tensor(micro_steps)
+    return tf.maximum(tf.minimum(micro_steps, 0), 0)
 
 
-def reset(state_ops: StateOps, acc_grads: Sequence[Any], zero: Any, ops: Any) -> None:
-    """Step 3b: zero the accumulator slots (``zero`` from :func:`runtime_zero`)."""
-    for acc in acc_grads:
-        state_ops.assign(acc, ops.full(acc.shape, ops.cast(zero, acc.dtype)))
+def reset(backend: Backend, state: WindowState, rows: Sequence[Any], zero: Any) -> list:
+    """Zero the accumulators (only the touched rows where ``rows[i]`` is
+    given, and their marks), with ``zero`` from :func:`runtime_zero`."""
+    done = []
+    for i, (acc, r) in enumerate(zip(state.acc_grads, rows)):
+        if r is None:
+            done.append(backend.assign(acc, tf.fill(tf.shape(acc), tf.cast(zero, acc.dtype))))
+            tracker = state.rows_tracker(i)
+            if tracker is not None:
+                done.append(backend.assign(tracker, tf.fill(tf.shape(tracker), tf.cast(zero, tracker.dtype))))
+            continue
+        n_rows = tf.shape(r)[:1]
+        row_shape = tf.constant(_static_shape(acc)[1:], tf.int32)
+        zeros = tf.fill(tf.concat([n_rows, row_shape], 0), tf.cast(zero, acc.dtype))
+        done.append(backend.scatter_update(acc, r, zeros))
+        tracker = state.rows_tracker(i)
+        done.append(backend.scatter_update(tracker, r, tf.fill(n_rows, tf.cast(zero, tracker.dtype))))
+    return done
 
 
+# ------------------------------------------------------------------ helpers
+def _static_shape(variable: Any) -> list[int]:
+    """A variable's shape as ints (variables always have a static shape)."""
+    return [int(d) for d in variable.shape]
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _values(grad: Any) -> Any:
+    """A gradient's values (``tf.IndexedSlices``: its slices)."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def cast_to(grad: Any, dtype: Any) -> Any:
+    """``grad`` (dense or ``tf.IndexedSlices``) in ``dtype``; unchanged when
+    ``dtype`` is ``None`` or already its dtype."""
+    if dtype is None:
+        return grad
+    dtype = tf.as_dtype(dtype).base_dtype  # a TF1 RefVariable's dtype is `float32_ref`
+    if grad.dtype.base_dtype == dtype:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
+
+
+def _local(value: Any) -> Any:
+    """One replica's value of a per-replica value (the value itself otherwise)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value.values[0]
+    return value
+
+
+def _noop() -> Any:
+    return None
+
+
+def _ops(values: Any) -> list:
+    """The ops and tensors among ``values`` (nested; what a TF1 backend
+    returns), for control dependencies. ``None`` and anything else is left
+    out: eager and ``tf.function`` code needs no explicit ordering."""
+    found = []
+    for v in tf.nest.flatten(values):
+        if isinstance(v, (tf.Operation, tf.Tensor)):
+            found.append(v)
+        elif isinstance(getattr(v, "op", None), tf.Operation):
+            found.append(v.op)
+    return found
+
+
+def gradient_tensors(grads: Sequence[Any]) -> list:
+    """Every tensor behind ``grads`` (IndexedSlices and per-replica values
+    expanded), for the control dependency that orders each write of the
+    micro-step after its gradients exist. Empty in eager mode."""
+    if tf.executing_eagerly():
+        return []
+    flat = tf.nest.flatten([g for g in grads if g is not None], expand_composites=True)
+    return [t for t in flat if isinstance(t, tf.Tensor)]

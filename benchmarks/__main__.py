@@ -9,7 +9,8 @@ Each benchmark prints its table and writes ``<name>.json``, ``<name>.png`` and
 ``<name>.md`` to the output folder; this entry point also writes
 ``SUMMARY.md`` (the three tables, the plots and the command that produced
 them, ready to paste into the README) and ``run_all.json`` (wall times).
-``benchmarks.compare_builtin`` (correctness, not cost) is separate.
+``benchmarks.compare_builtin`` (correctness, not cost) and
+``benchmarks.caveats`` (where exactness needs a recipe) are separate.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Keras 2 or 3): it imports TensorFlow and hypothesis, nothing of Keras.
   devices, so the distribution tests can build a 2-replica MirroredStrategy.
 * Hypothesis profiles: ``ci`` (default, bounded) and ``full`` (opt-in with
   ``HYPOTHESIS_PROFILE=full`` or ``make test-full``).
+* ``strategy``: one session-wide 2-replica MirroredStrategy fixture.
 * The report header names the leg (``ACCUM_LEG``), the versions that import
   and the optimizer families usable here (``tests/families.py``).
 """
@@ -46,6 +47,24 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def strategy():
+    """One 2-replica MirroredStrategy for the whole session.
+
+    Two strategy objects over the same devices in one process can hand out
+    the same collective group and instance keys, and their all-reduces then
+    fail with "Shape mismatch in the collective instance": every test module
+    shares this one.
+    """
+    assert len(tf.config.list_logical_devices("CPU")) >= 2, "two logical CPUs are configured above"
+    s = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert s.num_replicas_in_sync == 2
+    return s
 
 
 def pytest_report_header(config):

@@ -49,14 +49,6 @@ TOL = 1e-5
 schedules = keras.optimizers.schedules
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    assert len(tf.config.list_logical_devices("CPU")) >= 2, "conftest.py must configure 2 logical CPUs"
-    s = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    assert s.num_replicas_in_sync == REPLICAS
-    return s
-
-
 def _dataset(x, y, batch):
     # No shuffling: the same samples in the same order for every run.
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)

@@ -1,0 +1,159 @@
+"""Which optimizer family an inner optimizer belongs to, and its wrapper.
+
+One row of :data:`FAMILIES` per family: the module under
+``accum_optimizer/families/`` that holds its wrapper class, and a test that
+recognises the family's optimizers. A test only looks at modules that are
+already imported (an optimizer instance implies its package is), so
+dispatching imports nothing the user did not. A new family is one module in
+``families/`` and one row here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import sys
+from typing import Any, Callable
+
+
+def _major(module: Any) -> int:
+    try:
+        return int(str(getattr(module, "__version__", "0")).split(".")[0])
+    except ValueError:  # pragma: no cover - odd version strings
+        return 0
+
+
+def _keras3() -> Any:
+    """The Keras 3 package, if it is imported."""
+    keras = sys.modules.get("keras")
+    return keras if keras is not None and _major(keras) >= 3 else None
+
+
+def _keras2_packages() -> list:
+    """Imported Keras 2 packages: ``tf_keras``, and ``keras`` 2.x (TF <= 2.15)."""
+    found = []
+    for name in ("tf_keras", "keras"):
+        module = sys.modules.get(name)
+        if module is not None and _major(module) == 2:
+            found.append(module)
+    return found
+
+
+def _is_keras3(opt: Any) -> bool:
+    keras = _keras3()
+    return keras is not None and isinstance(opt, keras.optimizers.Optimizer)
+
+
+def _is_legacy(opt: Any) -> bool:
+    for pkg in _keras2_packages():
+        legacy = getattr(getattr(pkg, "optimizers", None), "legacy", None)
+        if legacy is not None and isinstance(opt, legacy.Optimizer):
+            return True
+    return False
+
+
+def _is_keras2(opt: Any) -> bool:
+    return any(isinstance(opt, pkg.optimizers.Optimizer) for pkg in _keras2_packages()) and not _is_legacy(opt)
+
+
+def _is_tf1(opt: Any) -> bool:
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(opt, tf.compat.v1.train.Optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # as in error messages
+    module: str  # under accum_optimizer.families
+    matches: Callable[[Any], bool]
+
+    def wrapper(self) -> type:
+        return importlib.import_module(f"accum_optimizer.families.{self.module}").AccumulatingOptimizer
+
+    def loaded_wrapper(self) -> type | None:
+        module = sys.modules.get(f"accum_optimizer.families.{self.module}")
+        return None if module is None else module.AccumulatingOptimizer
+
+
+FAMILIES = [
+    # TF1 first: `tf.compat.v1.train.Optimizer` shares no base class with any
+    # Keras optimizer (Keras 3's, tf_keras' or OptimizerV2), so the order does
+    # not change any answer (tests/test_tf1_api.py checks both ways); the
+    # check is cheap and imports nothing.
+    Family("TF1 (tf.compat.v1.train.Optimizer)", "tf1", _is_tf1),
+    Family("Keras 3 (keras.optimizers.Optimizer)", "keras3", _is_keras3),
+    # Before any Keras 2 new-API row: legacy optimizers are Keras 2 optimizers too.
+    Family("Keras 2 legacy OptimizerV2 and tensorflow-addons (tf.keras.optimizers.legacy.Optimizer)",
+           "legacy", _is_legacy),
+]
+
+
+def active_keras() -> tuple[str, Any]:
+    """``("keras3" | "keras2", package)``: the Keras that ``tf.keras`` is.
+
+    ``tf.keras`` is Keras 3 on TF >= 2.16 unless ``TF_USE_LEGACY_KERAS`` is
+    set (then ``tf_keras``), and Keras 2 on TF <= 2.15. Resolving it imports
+    only that Keras.
+    """
+    import tensorflow as tf
+
+    top = tf.keras.optimizers.Optimizer.__module__.split(".")[0]
+    package = sys.modules[top]
+    return ("keras3" if _major(package) >= 3 else "keras2"), package
+
+
+def resolve_identifier(identifier: Any) -> Any:
+    """A string or config dict resolved by the active Keras'
+    ``optimizers.get``.
+
+    Raises:
+        ValueError: the active Keras cannot resolve it.
+    """
+    _, package = active_keras()
+    try:
+        # optimizers.get edits a config dict in place: pass a copy.
+        return package.optimizers.get(copy.deepcopy(identifier))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"`inner_optimizer` could not be resolved by {package.__name__}.optimizers.get "
+            f"(the active tf.keras). Received: inner_optimizer={identifier!r}. ({e})"
+        ) from None
+
+
+def family_of(inner_optimizer: Any) -> Family:
+    """The family of an optimizer instance.
+
+    Raises:
+        TypeError: it belongs to no supported family (names the type
+            received and the supported families).
+    """
+    for family in FAMILIES:
+        if family.matches(inner_optimizer):
+            return family
+    kind = type(inner_optimizer)
+    supported = "; ".join(f.name for f in FAMILIES)
+    raise TypeError(
+        "`inner_optimizer` must be an optimizer of a supported family "
+        f"({supported}), or an identifier such as 'adam' that the active "
+        "Keras' optimizers.get resolves. Received: inner_optimizer="
+        f"{inner_optimizer!r} of type {kind.__module__}.{kind.__qualname__}."
+    )
+
+
+def loaded_wrappers() -> tuple:
+    """The wrapper classes of the families imported so far."""
+    return tuple(w for w in (f.loaded_wrapper() for f in FAMILIES) if w is not None)
+
+
+def register_active_families() -> None:
+    """Import (and so register with Keras' serialization) the wrappers of the
+    active Keras: Keras 3's when ``tf.keras`` is Keras 3 or Keras 3 is
+    already imported; the Keras 2 families' when ``tf.keras`` is Keras 2."""
+    kind, _ = active_keras()
+    wanted = {"keras3"} if kind == "keras3" or _keras3() is not None else set()
+    if kind == "keras2":
+        wanted |= {"keras2", "legacy"}
+    for family in FAMILIES:
+        if family.module in wanted:
+            family.wrapper()

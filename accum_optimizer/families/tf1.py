@@ -1,0 +1,662 @@
+"""`AccumulatingOptimizer` for TF1 graph code (``tf.compat.v1.train.Optimizer``).
+
+A ``tf.compat.v1.train.Optimizer`` that wraps another one, for code built on
+``tf.compat.v1``: placeholders, ``Session``, ``global_step``, ``Saver``,
+``MonitoredTrainingSession``. ``minimize``/``apply_gradients`` return one
+``train_op``; each run of it is one *micro-step*, and every
+``gradient_accumulation_steps``-th run is an *update* that calls the inner
+optimizer's ``apply_gradients`` once with the window's gradient (and the
+``global_step``, which so counts updates). The algorithm is
+:func:`accum_optimizer._accumulation.micro_step`; this module supplies the TF1
+:class:`_TF1Backend` (assignments that return ops, ``tf.cond`` whose
+branches return grouped ops) and creates the state at graph construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+import tensorflow as tf
+
+from accum_optimizer import _accumulation as acc_lib
+
+tf1 = tf.compat.v1
+
+# The per-variable methods through which `tf.compat.v1.train.Optimizer.
+# apply_gradients` updates one variable (its `_RefVariableProcessor` and
+# `_DenseResourceVariableProcessor` call them with the variable as the second
+# argument). Gating a variable wraps these.
+_PER_VARIABLE_UPDATES = (
+    "_apply_dense",
+    "_resource_apply_dense",
+    "_apply_sparse_duplicate_indices",
+    "_resource_apply_sparse_duplicate_indices",
+)
+
+
+def _resolve_inner(inner_optimizer: Any) -> tf1.train.Optimizer:
+    if isinstance(inner_optimizer, AccumulatingOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already an AccumulatingOptimizer "
+            f"(gradient_accumulation_steps="
+            f"{inner_optimizer.gradient_accumulation_steps}); nesting them "
+            "would accumulate twice. Use one AccumulatingOptimizer with "
+            "gradient_accumulation_steps equal to the product."
+        )
+    if not isinstance(inner_optimizer, tf1.train.Optimizer):
+        kind = type(inner_optimizer)
+        raise TypeError(
+            "`inner_optimizer` must be a TF1 optimizer instance "
+            "(`tf.compat.v1.train.Optimizer`, e.g. "
+            "tf.compat.v1.train.AdamOptimizer(1e-3)). Received: "
+            f"inner_optimizer={inner_optimizer!r} of type "
+            f"{kind.__module__}.{kind.__qualname__}."
+        )
+    return inner_optimizer
+
+
+@dataclasses.dataclass
+class _Window:
+    """The accumulation state of one wrapper in one graph (or eagerly)."""
+
+    variables: list  # build order
+    index: dict  # variable.ref() -> position in `variables`
+    state: acc_lib.WindowState | None  # None for gradient_accumulation_steps == 1
+    micro_steps: Any
+
+    def own_variables(self) -> list:
+        if self.state is None:
+            return [self.micro_steps]
+        rows = [t for t in (self.state.touched_rows or []) if t is not None]
+        return [self.micro_steps, self.state.grad_received, *self.state.acc_grads, *rows]
+
+
+class AccumulatingOptimizer(tf1.train.Optimizer):
+    """Accumulate gradients over micro-batches, update once per window (TF1).
+
+    ``opt.minimize(loss, global_step=global_step, var_list=...)`` (or
+    ``compute_gradients`` + ``apply_gradients``) returns one op; each
+    ``sess.run`` of it is one *micro-step*: the gradients are added into
+    accumulators (one non-trainable variable per trained variable, its shape
+    and dtype). On every ``gradient_accumulation_steps``-th run the inner
+    optimizer's ``apply_gradients`` is called once with the window's gradient
+    (the mean, or the sum, of the micro-batch gradients) and the
+    ``global_step`` (incremented once, so it counts *updates*), then the
+    accumulators are zeroed. On the other runs the variables, every variable of
+    the inner optimizer (slots, Adam's beta powers) and ``global_step`` stay
+    bitwise unchanged. ``N`` micro-batches of ``B`` samples so train like one
+    batch of ``N * B`` when the loss is a mean over its batch.
+
+    Args:
+        inner_optimizer: a ``tf.compat.v1.train.Optimizer`` instance (Adam,
+            Momentum, Ftrl, ...). Learning-rate schedules built on
+            ``global_step`` see update counts.
+        gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
+            micro-steps per update. ``1`` is a pass-through to the inner
+            optimizer (no accumulators).
+        reduction: ``"mean"`` (default) applies ``sum / N``; ``"sum"`` applies
+            the sum of the ``N`` micro-batch gradients.
+        name: name of the wrapper's variables and ops (default
+            ``"AccumulatingOptimizer"``).
+
+    State (created at graph construction, by the first
+    ``apply_gradients``/``minimize`` or by :meth:`build`; non-trainable
+    global variables, so a default ``Saver`` keeps them, never in
+    ``TRAINABLE_VARIABLES``; always resource variables):
+        ``micro_steps``: int64 scalar, micro-steps taken (units: micro-steps).
+        ``grad_received``: int64 ``(num_variables,)``, 1 where a variable has
+            had a gradient in the current window.
+        accumulators (``get_slot(var, "acc_grad")``): one per variable, its
+            shape and dtype, named ``<var>/<name>/acc_grad``.
+        row trackers (``get_slot(var, "touched_rows")``): int8
+            ``(var.shape[0],)``, for variables whose gradient is a
+            ``tf.IndexedSlices`` (embedding lookups, ``tf.gather``): the update
+            hands the inner optimizer the window's touched rows as
+            ``tf.IndexedSlices``, as the large batch would, so lazy sparse
+            updates (``MomentumOptimizer``'s) match it.
+
+    One wrapper is one window: every run of any op it returned is a micro-step
+    of the same window, and the update applies every variable that had a
+    gradient in the window (a variable with none is not updated at all). The
+    variables are fixed when the wrapper is built (in each graph). To share one
+    wrapper between train ops whose variables differ, call
+    ``build(union_of_var_lists)`` first; for separate windows (a GAN's two
+    networks, say), use one wrapper per train op.
+
+    ``tf.distribute`` strategies (``MirroredStrategy`` in TF1 graph mode, say)
+    are out of scope: ``apply_gradients`` under one raises
+    ``NotImplementedError``.
+
+    Raises:
+        TypeError: ``inner_optimizer`` is not a ``tf.compat.v1.train.Optimizer``,
+            ``gradient_accumulation_steps`` is not an int, a required argument
+            is missing, or an unexpected keyword argument is given (the
+            message names the close match).
+        ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
+            ``("mean", "sum")``; the inner optimizer is an
+            ``AccumulatingOptimizer``; ``use_locking`` is passed (it belongs on
+            the inner optimizer).
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Any = acc_lib.REQUIRED,
+        gradient_accumulation_steps: int = acc_lib.REQUIRED,
+        reduction: str = "mean",
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("use_locking", False):
+            raise ValueError(
+                "AccumulatingOptimizer does not take `use_locking` (received "
+                f"use_locking={kwargs['use_locking']!r}). Set it on the inner "
+                "optimizer, e.g. tf.compat.v1.train.AdamOptimizer(use_locking=True), "
+                "which makes the updates."
+            )
+        kwargs.pop("use_locking", None)
+        acc_lib.check_arguments(inner_optimizer, gradient_accumulation_steps, kwargs)
+        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        reduction = acc_lib.validate_reduction(reduction)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(
+                f"`name` must be a non-empty string or None. Received: name={name!r}."
+            )
+        inner = _resolve_inner(inner_optimizer)
+        super().__init__(use_locking=False, name=name or "AccumulatingOptimizer")
+        self._inner = inner
+        self._gradient_accumulation_steps = steps
+        self.reduction = reduction
+        self._windows: dict[Any, _Window] = {}
+
+    # ------------------------------------------------------------- properties
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """N, micro-steps per update (read-only: the built ops have it fixed)."""
+        return self._gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: Any) -> None:
+        raise AttributeError(
+            "`gradient_accumulation_steps` is read-only after construction "
+            f"(it is {self.gradient_accumulation_steps}; received {value!r}): "
+            "the train ops built so far have the window length fixed. Create a "
+            "new AccumulatingOptimizer(inner_optimizer, gradient_accumulation_steps=...) "
+            "instead."
+        )
+
+    @property
+    def inner_optimizer(self) -> tf1.train.Optimizer:
+        """The wrapped optimizer, which makes every update."""
+        return self._inner
+
+    @property
+    def micro_steps(self) -> Any:
+        """int64 scalar variable: micro-steps taken in the current graph (or
+        eagerly), i.e. runs of this optimizer's ops. ``None`` before the
+        optimizer is built there."""
+        window = self._windows.get(_graph_key())
+        return None if window is None else window.micro_steps
+
+    # ------------------------------------------------------------------ state
+    def build(self, var_list: Sequence[Any], sparse_var_list: Sequence[Any] = ()) -> None:
+        """Create the accumulation state for ``var_list`` in the current graph.
+
+        ``apply_gradients``/``minimize`` build the optimizer by themselves,
+        for the variables that have a gradient in that first call. Call
+        ``build`` first when several train ops share this optimizer and their
+        variables differ: the update, whichever op runs it, must know every
+        variable. Creates (under ``tf.init_scope``, outside any ``cond``) the
+        accumulators, counters and the inner optimizer's slots (its
+        ``_create_slots``, which its ``apply_gradients`` would call).
+
+        Args:
+            var_list: the variables the train ops will update.
+            sparse_var_list: those among them whose gradients are
+                ``tf.IndexedSlices`` (embedding tables): they get a row
+                tracker, so the update hands the inner optimizer the touched
+                rows only. ``apply_gradients`` finds them by itself.
+
+        Raises:
+            TypeError: an element is not a ``tf.Variable``.
+            ValueError: ``var_list`` is empty or has a variable twice,
+                ``sparse_var_list`` is not a subset of it, or the optimizer
+                is already built in this graph for other variables.
+        """
+        var_list = _check_variables(var_list, "var_list")
+        sparse = _check_variables(sparse_var_list, "sparse_var_list")
+        if not var_list:
+            raise ValueError("`var_list` must not be empty. Received: var_list=[].")
+        refs = {v.ref() for v in var_list}
+        if len(refs) != len(var_list):
+            raise ValueError(
+                "`var_list` lists a variable more than once: "
+                f"{[v.name for v in var_list]}."
+            )
+        outside = [v.name for v in sparse if v.ref() not in refs]
+        if outside:
+            raise ValueError(
+                f"`sparse_var_list` must be a subset of `var_list`; not in var_list: {outside}."
+            )
+        window = self._windows.get(_graph_key())
+        if window is not None:
+            unknown = [v.name for v in var_list if v.ref() not in window.index]
+            if unknown:
+                raise ValueError(self._unknown_message(unknown, window))
+            return
+        self._build(var_list, {v.ref() for v in sparse})
+
+    def _build(self, var_list: list, sparse_refs: set) -> _Window:
+        steps = self.gradient_accumulation_steps
+        with tf.init_scope():
+            key = _graph_key()
+            first = min(var_list, key=lambda v: v.name)
+            with tf.name_scope(f"{self._name}/"):
+                micro_steps = self._own_variable("micro_steps", tf.zeros([], tf.int64), first)
+            state = None
+            if steps > 1:
+                with tf.name_scope(f"{self._name}/"):
+                    received = self._own_variable(
+                        "grad_received", tf.zeros([len(var_list)], tf.int64), first
+                    )
+                accs, trackers = [], []
+                for i, v in enumerate(var_list):
+                    dtype = v.dtype.base_dtype
+                    with tf.name_scope(f"{_op_name(v)}/{self._name}/"):
+                        accs.append(self._own_variable("acc_grad", tf.zeros(v.shape, dtype), v, slot=("acc_grad", i)))
+                        tracker = None
+                        if v.ref() in sparse_refs and v.shape.rank:
+                            tracker = self._own_variable(
+                                "touched_rows", tf.zeros(v.shape[:1], tf.int8), v, slot=("touched_rows", i)
+                            )
+                        trackers.append(tracker)
+                state = acc_lib.WindowState(
+                    accs, micro_steps, received, trackers if any(t is not None for t in trackers) else None
+                )
+                # The slots the inner optimizer's `apply_gradients` would
+                # create (it does so under `init_scope` too), made now: in
+                # eager mode the update's `tf.cond` runs only on updates, and
+                # slot names must not depend on where they are first made.
+                self._inner._create_slots(var_list)
+        window = _Window(
+            variables=list(var_list),
+            index={v.ref(): i for i, v in enumerate(var_list)},
+            state=state,
+            micro_steps=micro_steps,
+        )
+        self._windows[key] = window
+        return window
+
+    def _own_variable(self, name: str, initial_value: Any, colocate_with: Any, slot: tuple | None = None) -> Any:
+        """A non-trainable resource variable in ``GLOBAL_VARIABLES``.
+
+        Resource variables even when the model's are ``RefVariable``s: the
+        shared algorithm reads them after writing them in the same run, and
+        only a resource variable's read is ordered by control dependencies
+        (a ``RefVariable`` converts to the snapshot taken at its creation)."""
+        with tf.distribute.get_strategy().extended.colocate_vars_with(colocate_with):
+            variable = tf1.Variable(
+                initial_value, trainable=False, name=name, use_resource=True,
+                collections=[tf1.GraphKeys.GLOBAL_VARIABLES],
+            )
+        child = name if slot is None else f"{slot[0]}_{slot[1]}"
+        self._handle_deferred_dependencies(name=child, trackable=variable)
+        return variable
+
+    def variables(self) -> list:
+        """Every variable of the optimizer in the current graph: the wrapper's
+        (:meth:`accumulation_variables`) followed by the inner optimizer's
+        (its slots and non-slot variables such as Adam's beta powers)."""
+        return self.accumulation_variables() + list(self._inner.variables())
+
+    def accumulation_variables(self) -> list:
+        """The wrapper's own variables in the current graph: ``micro_steps``,
+        ``grad_received``, the accumulators and row trackers. A checkpoint
+        written without accumulation lacks exactly these (see
+        :meth:`non_accumulation_variables`)."""
+        window = self._windows.get(_graph_key())
+        return [] if window is None else window.own_variables()
+
+    def non_optimizer_variables(self) -> list:
+        """Global variables of the current graph that are not optimizer state:
+        the model's variables and ``global_step``, without accumulators,
+        counters or the inner optimizer's slots (graph mode: eagerly there
+        are no collections). For an inference checkpoint::
+
+            tf.compat.v1.train.Saver(var_list=opt.non_optimizer_variables())
+        """
+        return _global_variables_except(self.variables())
+
+    def non_accumulation_variables(self) -> list:
+        """Global variables of the current graph except this wrapper's own
+        (:meth:`accumulation_variables`): what a checkpoint written by the
+        same graph trained *without* accumulation holds (model, inner
+        optimizer's slots, ``global_step``). To resume from such a checkpoint
+        with the accumulators at zero::
+
+            sess.run(tf.compat.v1.global_variables_initializer())
+            tf.compat.v1.train.Saver(opt.non_accumulation_variables()).restore(sess, path)
+        """
+        return _global_variables_except(self.accumulation_variables())
+
+    def get_slot(self, var: Any, name: str) -> Any:
+        """``"acc_grad"`` / ``"touched_rows"``: the wrapper's accumulator / row
+        tracker of ``var`` (``None`` if it has none); any other name: the
+        inner optimizer's slot (``"m"``, ``"momentum"``, ...).
+
+        (``get_slot_names()`` lists none of them: ``tf.train.Checkpoint``
+        saves the slots it lists through the optimizer, and this wrapper's
+        state is saved as its own dependencies, the inner optimizer's by the
+        inner optimizer.)"""
+        if name in ("acc_grad", "touched_rows"):
+            window = self._windows.get(_graph_key())
+            if window is None or window.state is None or var.ref() not in window.index:
+                return None
+            i = window.index[var.ref()]
+            return window.state.acc_grads[i] if name == "acc_grad" else window.state.rows_tracker(i)
+        return self._inner.get_slot(var, name)
+
+    def _trackable_children(self, *args: Any, **kwargs: Any) -> dict:
+        # Object-based checkpoints (`tf.train.Checkpoint`, eager): the inner
+        # optimizer and this graph's state, by position in build order.
+        children = super()._trackable_children(*args, **kwargs)
+        children["inner_optimizer"] = self._inner
+        window = self._windows.get(_graph_key())
+        if window is not None:
+            children["micro_steps"] = window.micro_steps
+            if window.state is not None:
+                children["grad_received"] = window.state.grad_received
+                for i, acc in enumerate(window.state.acc_grads):
+                    children[f"acc_grad_{i}"] = acc
+                    tracker = window.state.rows_tracker(i)
+                    if tracker is not None:
+                        children[f"touched_rows_{i}"] = tracker
+        return children
+
+    # ------------------------------------------------------------ micro-step
+    def compute_gradients(self, loss: Any, var_list: Any = None, **kwargs: Any) -> list:
+        """The inner optimizer's ``compute_gradients`` (so that one that
+        changes how gradients are computed, such as a loss-scaling one, still
+        does)."""
+        return self._inner.compute_gradients(loss, var_list=var_list, **kwargs)
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], global_step: Any = None,
+                        name: str | None = None) -> Any:
+        """Return the op of one micro-step with ``grads_and_vars``.
+
+        Args:
+            grads_and_vars: ``(gradient, variable)`` pairs, as from
+                :meth:`compute_gradients`. A gradient is a dense tensor of its
+                variable's shape, a ``tf.IndexedSlices`` or ``None`` (no
+                contribution on this micro-step).
+            global_step: optional int variable, incremented by one on each
+                update (every ``gradient_accumulation_steps``-th run), never on
+                the other micro-steps.
+            name: name of the returned op (default: the optimizer's name).
+
+        Returns:
+            In graph mode the op to run once per micro-batch (also added to
+            ``GraphKeys.TRAIN_OP``); eagerly, ``None`` after the micro-step ran.
+
+        Raises:
+            TypeError: a pair is malformed, a variable is not a ``tf.Variable``,
+                or a gradient is not convertible to a tensor.
+            ValueError: ``grads_and_vars`` is empty, lists a variable twice,
+                has no gradient at all, a gradient's shape differs from its
+                variable's, or a variable with a gradient is not one the
+                optimizer was built for.
+            NotImplementedError: called under a ``tf.distribute`` strategy
+                (out of scope for TF1 graph code).
+        """
+        if tf.distribute.has_strategy():
+            raise NotImplementedError(
+                "The TF1 AccumulatingOptimizer does not support tf.distribute "
+                f"strategies (called under {type(tf.distribute.get_strategy()).__name__}); "
+                "MirroredStrategy and the others are out of scope for TF1 graph "
+                "code. Call it outside strategy.scope(), or use a Keras optimizer "
+                "with the Keras wrapper under a strategy."
+            )
+        pairs = _check_grads_and_vars(grads_and_vars)
+        with_grad = [(g, v) for g, v in pairs if g is not None]
+        if not with_grad:
+            names = [v.name for _, v in pairs]
+            raise ValueError(f"No gradients provided for any variable: {names}.")
+        if self.gradient_accumulation_steps == 1:
+            return self._pass_through(pairs, global_step, name)
+
+        window = self._windows.get(_graph_key())
+        if window is None:
+            window = self._build(
+                [v for _, v in with_grad],
+                {v.ref() for g, v in with_grad if isinstance(g, tf.IndexedSlices)},
+            )
+        unknown = [v.name for _, v in with_grad if v.ref() not in window.index]
+        if unknown:
+            raise ValueError(self._unknown_message(unknown, window))
+        # Build order; variables without a gradient here get None.
+        grads = [None] * len(window.variables)
+        for g, v in with_grad:
+            grads[window.index[v.ref()]] = g
+
+        def apply_inner(window_grads: list, gates: dict) -> Any:
+            with self._gate_inner_updates(gates, window.variables):
+                return self._inner.apply_gradients(
+                    list(zip(window_grads, window.variables)), global_step=global_step
+                )
+
+        graph_mode = not tf.executing_eagerly()
+        train_ops = _collection_snapshot() if graph_mode else None
+        backend = _TF1Backend()
+        with tf1.name_scope(name, self._name) as scope:
+            out = acc_lib.micro_step(
+                backend, window.state, grads, apply_inner,
+                self.gradient_accumulation_steps, self.reduction,
+            )
+            if not graph_mode:
+                return None
+            train_op = tf.group(*backend.made, *acc_lib._ops(out), name=scope)
+        # The inner `apply_gradients` registered its update op, inside the
+        # update branch, in TRAIN_OP (control flow v1 builds branches in this
+        # graph); the op to run is ours.
+        _collection_restore(train_ops, train_op)
+        return train_op
+
+    def _pass_through(self, pairs: list, global_step: Any, name: str | None) -> Any:
+        """``gradient_accumulation_steps == 1``: the inner optimizer's update,
+        and ``micro_steps += 1`` (which, like every write of a micro-step,
+        waits for the gradients)."""
+        window = self._windows.get(_graph_key())
+        if window is None:
+            window = self._build([v for g, v in pairs if g is not None], set())
+        graph_mode = not tf.executing_eagerly()
+        train_ops = _collection_snapshot() if graph_mode else None
+        with tf.control_dependencies(acc_lib.gradient_tensors([g for g, _ in pairs])):
+            update = self._inner.apply_gradients(pairs, global_step=global_step, name=name)
+            count = window.micro_steps.assign_add(tf.constant(1, tf.int64), read_value=False)
+        if not graph_mode:
+            return update
+        with tf1.name_scope(name, self._name) as scope:
+            train_op = tf.group(update, count, name=scope)
+        _collection_restore(train_ops, train_op)
+        return train_op
+
+    @contextlib.contextmanager
+    def _gate_inner_updates(self, gates: dict, variables: list):
+        """Skip, per variable, the inner update of variables without a
+        gradient in the window.
+
+        ``gates`` (from :func:`_accumulation.micro_step`) maps each variable
+        without a gradient on this micro-step to a boolean that is true iff it
+        had one earlier in the window (another train op gave it one). For
+        those, the inner optimizer's per-variable update methods and the
+        variable's constraint run under a ``tf.cond`` on it; ``_finish``
+        (Adam's beta powers) and ``global_step`` move once per update, as in
+        the large-batch reference.
+        """
+        if not gates:
+            yield
+            return
+        by_id = {id(variables[i]): gate for i, gate in gates.items()}
+        inner = self._inner
+        for method in _PER_VARIABLE_UPDATES:
+            setattr(inner, method, _gated(getattr(inner, method), by_id))
+        constrained = []
+        for i, gate in gates.items():
+            v = variables[i]
+            c = getattr(v, "_constraint", None)
+            if c is not None:
+                constrained.append((v, c))
+                v._constraint = lambda x, gate=gate, c=c: tf.cond(gate, lambda: c(x), lambda: tf.identity(x))
+        try:
+            yield
+        finally:
+            for method in _PER_VARIABLE_UPDATES:
+                delattr(inner, method)
+            for v, c in constrained:
+                v._constraint = c
+
+    def _unknown_message(self, unknown: list, window: _Window) -> str:
+        return (
+            f"AccumulatingOptimizer '{self._name}' was built for "
+            f"{len(window.variables)} variables ({[v.name for v in window.variables]}) "
+            f"and got gradients for others: {unknown}. All train ops of one "
+            "AccumulatingOptimizer share one window, so its update must know "
+            "every variable: call opt.build(<union of the var_lists>) before "
+            "the first minimize/apply_gradients, or use one "
+            "AccumulatingOptimizer per train op (separate windows)."
+        )
+
+
+class _TF1Backend:
+    """:class:`_accumulation.Backend` for TF1: every assignment returns its op
+    (``None`` eagerly) so the shared algorithm can order them with control
+    dependencies; ``cond`` is ``tf.cond`` with branches returning grouped ops.
+    ``made`` collects the ops made outside the ``cond`` (grouped into the
+    train op)."""
+
+    def __init__(self) -> None:
+        self.made: list = []
+        self._depth = 0
+
+    def _record(self, op: Any) -> Any:
+        if tf.executing_eagerly():
+            return None
+        op = op.op if not isinstance(op, tf.Operation) else op
+        if self._depth == 0:
+            self.made.append(op)
+        return op
+
+    def assign(self, variable: Any, value: Any) -> Any:
+        return self._record(variable.assign(value, read_value=False))
+
+    def assign_add(self, variable: Any, value: Any) -> Any:
+        if isinstance(value, tf.IndexedSlices):
+            return self._record(tf1.scatter_add(variable, value.indices, value.values))
+        return self._record(variable.assign_add(value, read_value=False))
+
+    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
+        return self._record(tf1.scatter_update(variable, indices, updates))
+
+    def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> Any:
+        def branch(fn):
+            def run():
+                self._depth += 1
+                try:
+                    return tf.group(*acc_lib._ops(fn()))
+                finally:
+                    self._depth -= 1
+
+            return run
+
+        return tf.cond(pred, branch(true_fn), branch(false_fn))
+
+
+def _gated(method: Any, gates_by_id: dict):
+    def update(grad, var, *args, **kwargs):
+        gate = gates_by_id.get(id(var))
+        if gate is None:
+            return method(grad, var, *args, **kwargs)
+        return tf.cond(gate, lambda: tf.group(method(grad, var, *args, **kwargs)), tf.no_op)
+
+    return update
+
+
+# ------------------------------------------------------------------ helpers
+def _graph_key() -> Any:
+    """The graph whose variables are current (``None`` eagerly, also while a
+    ``tf.function`` is traced)."""
+    with tf.init_scope():
+        return None if tf.executing_eagerly() else tf1.get_default_graph()
+
+
+def _op_name(variable: Any) -> str:
+    return variable.name.split(":")[0]
+
+
+def _global_variables_except(excluded: Sequence[Any]) -> list:
+    refs = {v.ref() for v in excluded}
+    return [v for v in tf1.global_variables() if v.ref() not in refs]
+
+
+def _collection_snapshot() -> list:
+    return list(tf1.get_collection(tf1.GraphKeys.TRAIN_OP))
+
+
+def _collection_restore(before: list, train_op: Any) -> None:
+    ref = tf1.get_collection_ref(tf1.GraphKeys.TRAIN_OP)
+    ref[:] = before + ([train_op] if train_op not in before else [])
+
+
+def _is_variable(value: Any) -> bool:
+    return isinstance(value, tf.Variable)
+
+
+def _check_variables(values: Any, arg: str) -> list:
+    values = list(values)
+    for v in values:
+        if not _is_variable(v):
+            raise TypeError(
+                f"`{arg}` must hold tf.Variable objects. Received an element "
+                f"{v!r} of type {type(v).__module__}.{type(v).__qualname__}."
+            )
+    return values
+
+
+def _check_grads_and_vars(grads_and_vars: Any) -> list:
+    """``(gradient, variable)`` pairs as TF1's ``apply_gradients`` accepts
+    them, converted (gradients to tensors or ``IndexedSlices``) and checked."""
+    pairs = []
+    for pair in grads_and_vars:
+        try:
+            g, v = pair
+        except (TypeError, ValueError):
+            raise TypeError(
+                "`grads_and_vars` must be (gradient, variable) pairs. Received "
+                f"an element {pair!r}."
+            ) from None
+        if not _is_variable(v):
+            raise TypeError(
+                "`grads_and_vars` must pair each gradient with a tf.Variable. "
+                f"Received {v!r} of type {type(v).__module__}.{type(v).__qualname__}."
+            )
+        if g is not None:
+            try:
+                g = tf.convert_to_tensor(g, dtype_hint=v.dtype.base_dtype) if not isinstance(
+                    g, tf.IndexedSlices) else g
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"The gradient of {v.name!r} must be a tensor, a "
+                    f"tf.IndexedSlices or None. Received {g!r} ({e})."
+                ) from None
+            acc_lib.validate_gradient_shapes([g], [v], _op_name)
+        pairs.append((g, v))
+    if not pairs:
+        raise ValueError("No variables provided: `grads_and_vars` is empty.")
+    refs = [v.ref() for _, v in pairs]
+    if len(set(refs)) != len(refs):
+        raise ValueError(
+            "`grads_and_vars` lists a variable more than once: "
+            f"{[v.name for _, v in pairs]}. Sum its gradients first."
+        )
+    return pairs
