@@ -1,39 +1,119 @@
 # Everything a fresh machine needs: `make demo` and `make test` create the
-# virtual environment on first use.
+# virtual environments on first use.
+#
+# `make test` runs the suite once per *leg*: one virtual environment per
+# TensorFlow/Keras combination, each installed from pyproject's extras plus
+# the leg's exact pins below (the package itself is installed editable).
+#
+#   leg        venv                 what it proves
+#   k3         .venv                TF 2.21 + Keras 3.15 (also used by demo/bench)
+#   k3-oldest  .venvs/k3-oldest     the oldest pyproject claims: TF 2.16.2 + Keras 3.15.0
+#   tfkeras    .venvs/tfkeras       TF 2.21 + tf_keras 2.21 (TF_USE_LEGACY_KERAS=1)
+#   tf215      .venvs/tf215         TF 2.15.1 + its Keras 2.15 + tensorflow-addons 0.23
+#
+# Tests of a family a leg lacks skip with a reason (tests/families.py).
 PYTHON ?= python3
 VENV   ?= .venv
-BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+VENVS  ?= .venvs
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?= --quick
 BENCH_OUT  ?= bench_output
+SHELL := bash
 
-.PHONY: venv demo test test-full bench clean
+LEGS ?= k3 k3-oldest tfkeras tf215
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,demo]"
-	touch $(STAMP)
+# ---- per-leg environment: directory, Python, extras, pins, pytest env/args
+DIR_k3         := $(VENV)
+PYTHON_k3      := $(PYTHON)
+EXTRAS_k3      := test,demo,keras3
+PINS_k3        := tensorflow==2.21.* keras==3.15.*
+ENV_k3         :=
+ARGS_k3        :=
 
-venv: $(STAMP)
+DIR_k3-oldest    := $(VENVS)/k3-oldest
+PYTHON_k3-oldest := $(PYTHON)
+EXTRAS_k3-oldest := test,keras3
+PINS_k3-oldest   := tensorflow==2.16.2 keras==3.15.0
+ENV_k3-oldest    :=
+# Keras < 3.15 fails the suite (see README, Compatibility). The slowest
+# property test and the benchmark smoke run (no matplotlib here) are left to k3.
+ARGS_k3-oldest   := -k 'not test_property_accumulation_matches_large_batch' --ignore=tests/test_benchmarks_smoke.py
+
+DIR_tfkeras    := $(VENVS)/tfkeras
+PYTHON_tfkeras := $(PYTHON)
+EXTRAS_tfkeras := test,keras2
+PINS_tfkeras   := tensorflow==2.21.* tf_keras==2.21.*
+ENV_tfkeras    := TF_USE_LEGACY_KERAS=1
+ARGS_tfkeras   :=
+
+# TensorFlow 2.15 has wheels for Python 3.9-3.11 only.
+DIR_tf215      := $(VENVS)/tf215
+PYTHON_tf215   := $(PYTHON)
+EXTRAS_tf215   := test,addons
+PINS_tf215     := tensorflow==2.15.1 tensorflow-addons==0.23.0 numpy<2
+ENV_tf215      :=
+ARGS_tf215     :=
+
+.PHONY: venv venvs demo test test-full bench clean \
+	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))
+
+# A leg's stamp is named after a checksum of its Python, extras and pins, so
+# changing a pin reinstalls that leg (and only it); editing pyproject.toml
+# reinstalls every leg.
+define LEG_RULES
+STAMP_$(1) := $$(DIR_$(1))/.installed-$$(shell printf '%s' "$$(PYTHON_$(1)) $$(EXTRAS_$(1)) $$(PINS_$(1))" | cksum | cut -d' ' -f1)
+
+$$(STAMP_$(1)): pyproject.toml
+	rm -f $$(DIR_$(1))/.installed*
+	$$(PYTHON_$(1)) -m venv $$(DIR_$(1))
+	$$(DIR_$(1))/bin/python -m pip install --quiet --upgrade pip
+	$$(DIR_$(1))/bin/python -m pip install --quiet -e '.[$$(EXTRAS_$(1))]' $$(foreach p,$$(PINS_$(1)),'$$(p)')
+	touch $$@
+
+venv-$(1): $$(STAMP_$(1))
+
+test-$(1): $$(STAMP_$(1))
+	@echo "==== leg $(1): $$(PINS_$(1)) $$(ENV_$(1))"
+	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow $$(ENV_$(1)) \
+	  ACCUM_LEG=$(1) ACCUM_LEG_PINS='$$(PINS_$(1))' \
+	  $$(DIR_$(1))/bin/python -m pytest $$(ARGS_$(1)) $$(PYTEST_ARGS)
+endef
+$(foreach leg,$(LEGS),$(eval $(call LEG_RULES,$(leg))))
+
+venv: venv-k3
+
+## Every leg's environment (installs only what is missing).
+venvs: $(addprefix venv-,$(LEGS))
 
 ## Train the digits CNN three ways and compare them (see README).
-demo: $(STAMP)
-	$(BIN)/python examples/digits_demo.py $(DEMO_ARGS)
+demo: $(STAMP_k3)
+	$(DIR_k3)/bin/python examples/digits_demo.py $(DEMO_ARGS)
 
-## The test suite with the bounded CI hypothesis profile.
-test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+## The test suite in every leg, one after the other, with the bounded CI
+## hypothesis profile; fails if any leg fails, after running them all.
+test:
+	@mkdir -p $(VENVS); failed=0; summary=""; \
+	for leg in $(LEGS); do \
+	  start=$$SECONDS; \
+	  $(MAKE) --no-print-directory venv-$$leg || { failed=$$((failed+1)); summary+="$$leg: install FAILED"$$'\n'; continue; }; \
+	  mid=$$SECONDS; \
+	  $(MAKE) --no-print-directory test-$$leg 2>&1 | tee $(VENVS)/.test-$$leg.log; rc=$${PIPESTATUS[0]}; \
+	  line=$$(grep -E '^(=+ )?[0-9a-z ,]*(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' $(VENVS)/.test-$$leg.log | tail -n 1 | sed -E 's/^=+ | =+$$//g'); \
+	  [ $$rc -eq 0 ] && result=ok || { result=FAILED; failed=$$((failed+1)); }; \
+	  summary+="$$leg: $$result ($${line:-no pytest summary}); install $$((mid-start)) s, tests $$((SECONDS-mid)) s"$$'\n'; \
+	done; \
+	echo "==== make test: one line per leg"; printf '%s' "$$summary"; \
+	echo "legs: $$(( $(words $(LEGS)) - failed )) passed, $$failed failed"; \
+	[ $$failed -eq 0 ]
 
-## The same suite with the larger hypothesis profile (slow; opt-in).
-test-full: $(STAMP)
-	HYPOTHESIS_PROFILE=full $(BIN)/python -m pytest $(PYTEST_ARGS)
+## The same with the larger hypothesis profile (slow; opt-in).
+test-full:
+	HYPOTHESIS_PROFILE=full $(MAKE) --no-print-directory test
 
 ## Memory, step-overhead and sparse benchmarks (quick profile: < 10 min on 2 CPU cores).
-bench: $(STAMP)
-	$(BIN)/python -m benchmarks $(BENCH_ARGS) --out $(BENCH_OUT)
+bench: $(STAMP_k3)
+	$(DIR_k3)/bin/python -m benchmarks $(BENCH_ARGS) --out $(BENCH_OUT)
 
 clean:
-	rm -rf $(VENV) demo_output bench_output .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENVS) demo_output bench_output .pytest_cache .hypothesis

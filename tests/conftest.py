@@ -1,16 +1,25 @@
-"""Shared test setup.
+"""Shared test setup, safe in every leg of ``make test`` (TF 2.15 to 2.21,
+Keras 2 or 3): it imports TensorFlow and hypothesis, nothing of Keras.
 
+* TensorFlow's BFC CPU allocator (``TF_CPU_ALLOCATOR_USE_BFC``), for the
+  tests that read allocator statistics.
 * Two logical CPU devices are configured before TensorFlow initialises its
   devices, so the distribution tests can build a 2-replica MirroredStrategy.
 * Hypothesis profiles: ``ci`` (default, bounded) and ``full`` (opt-in with
   ``HYPOTHESIS_PROFILE=full`` or ``make test-full``).
+* ``strategy``: one session-wide 2-replica MirroredStrategy fixture.
+* The report header names the leg (``ACCUM_LEG``), the versions that import
+  and the optimizer families usable here (``tests/families.py``).
 """
 
 import os
+import platform
+from importlib import metadata
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# TensorFlow's BFC allocator on the CPU keeps the statistics that
-# `tf.config.experimental.get_memory_info("CPU:0")` reads (test_sparse).
+# TensorFlow's BFC allocator on the CPU keeps allocator statistics, which
+# `tf.config.experimental.get_memory_info("CPU:0")` (tests/test_sparse.py)
+# needs; without it that call raises "Allocator stats not available".
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import tensorflow as tf  # noqa: E402
@@ -56,3 +65,22 @@ def strategy():
     s = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     assert s.num_replicas_in_sync == 2
     return s
+
+
+def pytest_report_header(config):
+    import families
+
+    def version(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    dists = ["tensorflow", "keras", "tf_keras", "tensorflow-addons", "numpy"]
+    usable = [f for f in families.FAMILIES if families.available(f)]
+    return [
+        f"accum_optimizer leg: {os.environ.get('ACCUM_LEG', '(not set)')}; Python {platform.python_version()}; "
+        f"TF_USE_LEGACY_KERAS={os.environ.get('TF_USE_LEGACY_KERAS', '')}",
+        "installed: " + ", ".join(f"{d} {version(d)}" for d in dists),
+        "families usable here: " + (", ".join(usable) or "none"),
+    ]

@@ -9,6 +9,10 @@ window mean of the micro-batch gradients), or a value derived by hand.
 
 from __future__ import annotations
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import copy
 import re
 

@@ -8,6 +8,10 @@ bench` uses, with the smallest sizes) is shared by the tests below.
 
 from __future__ import annotations
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import json
 import os
 import struct

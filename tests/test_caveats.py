@@ -14,6 +14,10 @@ float32 rounding over a few updates (~1e-7).
 ``benchmarks/caveats.py`` measures the same cases and prints their sizes.
 """
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import json
 import os
 

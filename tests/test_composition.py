@@ -5,6 +5,10 @@ References: the plain optimizer (or the same composition without accumulation)
 trained with batch N*B, or a hand-derived value.
 """
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import keras
 import numpy as np
 import pytest

@@ -7,6 +7,10 @@ state (moments, ``iterations``, EMA shadows, ...) must equal the reference
 optimizer's, variable by variable.
 """
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import keras
 import numpy as np
 import pytest

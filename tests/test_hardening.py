@@ -7,6 +7,10 @@ single-device batch-N*B run, plain Keras without the wrapper, or values
 derived by hand in the comments.
 """
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import warnings
 
 import keras

@@ -9,6 +9,10 @@ is its input, so every micro-gradient is known exactly), the uninterrupted run
 
 from __future__ import annotations
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import contextlib
 import warnings
 

@@ -18,6 +18,10 @@ module-scoped fixtures shared by the tests.
 
 from __future__ import annotations
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import json
 import os
 import subprocess

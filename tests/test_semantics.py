@@ -6,6 +6,10 @@ window's micro-batch losses (hand-built large batch), where a variable that no
 micro-batch loss touches gets ``None`` exactly as in large-batch training.
 """
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import keras
 import numpy as np
 import pytest

@@ -4,6 +4,10 @@ Reference: the same embedding model trained by the plain optimizer with batch
 N*B on *dense* gradients (``tf.convert_to_tensor`` of the slices).
 """
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import keras
 import numpy as np
 import pytest

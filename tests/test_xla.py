@@ -8,6 +8,10 @@ and no XLA (``tests/reference.py``), same initial weights, same sample order.
 
 from __future__ import annotations
 
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
 import keras
 import numpy as np
 import pytest
