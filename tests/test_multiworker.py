@@ -33,6 +33,9 @@ Keras 3.15's ``fit`` fails under MWMS for every optimizer
 """
 
 from __future__ import annotations
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
 
 import functools
 import json
@@ -68,7 +71,6 @@ SCENARIOS = ACC + [
     "custom_plain_sgd", "fit_plain_adam",
     "custom_builtin_adam", "fit_builtin_adam", "eager_builtin_adam",
 ]
-
 
 # --------------------------------------------------------------- launching
 def _launch(out: Path, name: str, args: list, num_workers: int, strategy: str,
@@ -107,7 +109,6 @@ def _launch(out: Path, name: str, args: list, num_workers: int, strategy: str,
                     continue
                 raise
 
-
 @pytest.fixture(scope="module")
 def mwms(tmp_path_factory):
     out = tmp_path_factory.mktemp("mwms")
@@ -118,7 +119,6 @@ def mwms(tmp_path_factory):
     }
     (out / "launches.json").write_text(json.dumps(info, indent=1))
     return out, info
-
 
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
@@ -131,7 +131,6 @@ def mirrored(tmp_path_factory):
     (out / "launches.json").write_text(json.dumps(info, indent=1))
     return out, info
 
-
 def _results(out: Path, name: str, workers: int = S.WORKERS) -> list[dict]:
     """Every worker's results of one scenario or run."""
     paths = [out / f"{name}.worker{i}.json" for i in range(workers)]
@@ -139,10 +138,8 @@ def _results(out: Path, name: str, workers: int = S.WORKERS) -> list[dict]:
     assert not missing, f"missing results: {missing}"
     return [json.loads(p.read_text()) for p in paths]
 
-
 def _arrays(values) -> list:
     return [np.asarray(v, dtype=np.float32) for v in values]
-
 
 def _assert_workers_identical(results: list[dict]) -> None:
     assert len(results) == S.WORKERS
@@ -150,11 +147,9 @@ def _assert_workers_identical(results: list[dict]) -> None:
         for a, b in zip(_arrays(results[0][key]), _arrays(results[1][key])):
             np.testing.assert_array_equal(a, b, err_msg=key)
 
-
 def _kind_and_shape(path: str, array) -> tuple:
     # "adam/sequential_dense_kernel_momentum" -> ("momentum", shape)
     return path.split("/")[-1].rsplit("_", 1)[-1], np.shape(array)
-
 
 # --------------------------------------------------------------- references
 @functools.lru_cache(maxsize=None)
@@ -171,11 +166,9 @@ def _reference(loop: str, opt_name: str, batch: int, steps: int, seed: int):
         train(model, opt, x, y, batch, steps)
     return model, opt
 
-
 def _large_batch_reference(name: str):
     loop, _, opt_name = name.split("_")
     return _reference(loop, opt_name, S.N * S.B, S.WINDOWS, S.DATA_SEED[loop])
-
 
 # --------------------------------------------------------------------------
 # 1. Training under MWMS == one process at the global batch N * B * workers
@@ -200,7 +193,6 @@ def test_mwms_training_matches_single_process_large_batch(mwms, name):
     assert max_abs_diff(weights(ref_model), weights(make_mlp(seed=0))) > 1e-2
     _assert_workers_identical(results)
 
-
 def test_custom_loop_loss_scaling_counts_each_sample_once(mwms):
     """``compute_average_loss(global_batch_size=B)`` with B the GLOBAL
     micro-batch, and the wrapper's ``reduction="mean"``: the gradient of the
@@ -220,17 +212,14 @@ def test_custom_loop_loss_scaling_counts_each_sample_once(mwms):
         wrong = train(make_mlp(seed=0), keras.optimizers.SGD(lr * factor, momentum=0.9), x, y, S.N * S.B, S.WINDOWS)
         assert max_abs_diff(got, weights(wrong)) > 100 * S.TOL, factor
 
-
 # --------------------------------------------------------------------------
 # 2. One gradient all-reduce per update, counted
 # --------------------------------------------------------------------------
 def _grad(step: dict) -> tuple:
     return step["grad_launches"], step["grad_elements"]
 
-
 def _other(step: dict) -> tuple:
     return step["all_launches"] - step["grad_launches"], step["all_elements"] - step["grad_elements"]
-
 
 def test_plain_mwms_all_reduces_gradients_every_step(mwms):
     """The control: plain optimizers under MWMS reduce the gradients on
@@ -241,7 +230,6 @@ def test_plain_mwms_all_reduces_gradients_every_step(mwms):
         for r in _results(out, name):
             p = r["num_params"]
             assert [_grad(s) for s in r["per_step"]] == [(1, p)] * (S.N * S.WINDOWS), name
-
 
 @pytest.mark.parametrize("name, control", [
     ("custom_acc_sgd", "custom_plain_sgd"),
@@ -274,7 +262,6 @@ def test_one_gradient_all_reduce_per_update_per_worker(mwms, name, control):
             # check) are the plain run's, step by step.
             assert [_other(s) for s in steps] == [_other(s) for s in c["per_step"]]
 
-
 def test_keras_builtin_accumulation_under_mwms(mwms):
     """Keras' own ``gradient_accumulation_steps`` under MWMS: in a
     ``tf.function`` (custom loop or ``fit``) it raises, because its update
@@ -293,7 +280,6 @@ def test_keras_builtin_accumulation_under_mwms(mwms):
         assert [_grad(s)[1] for s in r["per_step"]] == [0, 0, 0, p] * S.WINDOWS
         assert max_abs_diff(_arrays(r["weights"]), weights(ref_model)) <= S.TOL
 
-
 # --------------------------------------------------------------------------
 # 3. Preemption: BackupAndRestore, SIGKILL, restart, resume
 # --------------------------------------------------------------------------
@@ -309,10 +295,8 @@ def _micro_batch_order(run: str) -> list[int]:
         return one * S.PREEMPT_EPOCHS
     return one * epoch + one[: batch + 1] + one * (S.PREEMPT_EPOCHS - epoch)
 
-
 def _preempt_reference(run: str, order: list[int]):
     return _preempt_reference_cached(run, tuple(order))
-
 
 @functools.lru_cache(maxsize=None)
 def _preempt_reference_cached(run: str, order: tuple):
@@ -331,7 +315,6 @@ def _preempt_reference_cached(run: str, order: tuple):
     open_window = order[full:]
     return model, opt, (x, y), open_window
 
-
 def _window_gradient_sum(model_weights, x, y, micro_batches) -> list:
     """Sum over ``micro_batches`` of the gradient of the micro-batch's mean
     loss at ``model_weights``: what the accumulators hold, summed over
@@ -346,7 +329,6 @@ def _window_gradient_sum(model_weights, x, y, micro_batches) -> list:
         g = [t.numpy() for t in tape.gradient(loss, model.trainable_variables)]
         total = [a + b for a, b in zip(total, g)]
     return total
-
 
 def _assert_preempted_run_matches(out: Path, run: str, workers: int):
     results = _results(out, f"preempt_{run}", workers)
@@ -377,13 +359,11 @@ def _assert_preempted_run_matches(out: Path, run: str, workers: int):
         _assert_workers_identical(results)
     return results, ref_model, order
 
-
 def _uninterrupted(run: str):
     """The same fit, never interrupted (the computed reference of the
     kill-free micro-batch order)."""
     model, _, _, _ = _preempt_reference(run, list(range(S.STEPS_PER_EPOCH)) * S.PREEMPT_EPOCHS)
     return model
-
 
 @pytest.mark.parametrize("where", ["mwms", "mirrored"])
 def test_preempted_mid_window_keeps_the_partial_window(request, where):
@@ -402,7 +382,6 @@ def test_preempted_mid_window_keeps_the_partial_window(request, where):
     # The replay matters: an uninterrupted run ends elsewhere.
     assert max_abs_diff(weights(ref_model), weights(_uninterrupted("acc_mid"))) > 1e-3
 
-
 def test_plain_keras_restarts_the_interrupted_epoch_from_its_first_batch(mirrored):
     """What plain Keras 3.15 does with the same backup (one host; interrupted
     in the process after the backup, resumed with a new model and
@@ -412,7 +391,6 @@ def test_plain_keras_restarts_the_interrupted_epoch_from_its_first_batch(mirrore
     out, _ = mirrored
     _, ref_model, _ = _assert_preempted_run_matches(out, "plain_mid", 1)
     assert max_abs_diff(weights(ref_model), weights(_uninterrupted("plain_mid"))) > 1e-3
-
 
 def test_resume_from_an_epoch_boundary_is_bitwise_uninterrupted(mirrored):
     """Where plain Keras resumes exactly -- from a backup at the end of an
@@ -431,7 +409,6 @@ def test_resume_from_an_epoch_boundary_is_bitwise_uninterrupted(mirrored):
     assert (resumed["micro_steps"], resumed["iterations"]) == (
         uninterrupted["micro_steps"], uninterrupted["iterations"])
 
-
 def test_the_surviving_worker_ends_by_itself_after_its_peer_is_killed(mwms):
     """Worker 1 is SIGKILLed; worker 0 is left alone. It must not hang: the
     coordination service notices the missing peer and the process exits
@@ -441,7 +418,6 @@ def test_the_surviving_worker_ends_by_itself_after_its_peer_is_killed(mwms):
     launch = info["launch1"]
     assert launch["survivor_exit"] not in (None, 0), launch
     assert launch["survivor_seconds"] < SURVIVOR_TIMEOUT
-
 
 # --------------------------------------------------------------------------
 # 4. Strategies that cannot work are refused

@@ -20,7 +20,11 @@
   ``OneDeviceStrategy`` trains like the large batch.
 """
 
+
 from __future__ import annotations
+from families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
 
 import keras
 import numpy as np
