@@ -17,7 +17,7 @@ from typing import Any
 
 from accum_optimizer import _accumulation, _dispatch
 
-__all__ = ["AccumulatingOptimizer", "__version__"]
+__all__ = ["AccumulatingOptimizer", "CountedLoss", "FlushPartialWindow", "__version__"]
 __version__ = "0.2.0.dev0"
 
 
@@ -82,3 +82,13 @@ class AccumulatingOptimizer(metaclass=_DispatchByFamily):
 
 
 _dispatch.register_active_families()
+
+
+def __getattr__(name: str) -> Any:
+    # Keras 3 tools, imported on first use (importing the package must not
+    # import Keras 3 where a Keras 2 family is in use).
+    if name in ("CountedLoss", "FlushPartialWindow"):
+        from accum_optimizer.families import keras3_windows
+
+        return getattr(keras3_windows, name)
+    raise AttributeError(f"module 'accum_optimizer' has no attribute {name!r}")

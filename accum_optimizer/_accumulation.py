@@ -119,6 +119,21 @@ class WindowState:
         variable_dtypes: per variable, the dtype its window gradient is cast
             to (the variable's, where the accumulator is wider), or ``None``:
             the accumulator's dtype, no cast.
+        mini_step: int64 scalar, the micro-steps in the current window (its
+            position; optax's ``mini_step``; units: micro-steps). Zeroed by
+            every update, discard and :func:`flush`. With it, a window closes
+            when ``mini_step`` reaches N (the schedule's N for the window),
+            not when ``micro_steps % N == 0``: after a flush, or under a
+            schedule, the two differ. ``None``: a family that keeps neither
+            (no flush, no weights, no schedule): ``micro_steps % N``.
+        window_weight: float32 scalar, the window's count ``Σᵢ cᵢ`` (each
+            micro-step adds its ``weight``, 1 without one). Replica-local
+            under ``tf.distribute`` (``ON_READ`` summed, like the
+            accumulators): read in cross-replica context it is the sum over
+            replicas. Needs ``mini_step``.
+        updates: the inner optimizer's ``iterations`` (int64 scalar, units:
+            updates), read by a schedule to pick the window's N. Needed for
+            a schedule only.
     """
 
     acc_grads: Sequence[Any]
@@ -129,6 +144,9 @@ class WindowState:
     skipped_windows: Any = None
     window_poisoned: Any = None
     variable_dtypes: Sequence[Any] | None = None
+    mini_step: Any = None
+    window_weight: Any = None
+    updates: Any = None
 
     def rows_tracker(self, i: int) -> Any:
         return None if self.touched_rows is None else self.touched_rows[i]
@@ -219,6 +237,148 @@ def validate_reduction(value: Any) -> str:
     return value
 
 
+def validate_accumulation_schedule(value: Any) -> Any:
+    """Return ``gradient_accumulation_steps`` in one of its accepted forms.
+
+    Accepted: an ``int >= 1`` (returned as ``int``); a dict
+    ``{first_update: N, ...}`` (piecewise constant over updates; int keys
+    strictly ascending from 0, int values >= 1; returned as a new dict with
+    ``int`` keys and values; string keys of digits, as JSON turns them, are
+    accepted); a callable ``update_index -> N`` (returned as is; it receives
+    the window's first update index as an int64 scalar tensor and returns an
+    int or an integer scalar tensor >= 1, checked when the step runs).
+
+    Raises:
+        TypeError: not an int, dict or callable; a dict key or value that is
+            not an int (``bool`` and ``float`` are rejected).
+        ValueError: N < 1; keys not starting at 0 or not strictly ascending
+            (in the order given: ``{0: 1, 30: 2, 20: 4}`` is rejected, not
+            sorted); an empty dict.
+    """
+    if callable(value) and not isinstance(value, dict):
+        return value
+    if not isinstance(value, dict):
+        return validate_gradient_accumulation_steps(value)
+    if not value:
+        raise ValueError(
+            "`gradient_accumulation_steps` as a schedule must map the first "
+            "update of each phase to its N, starting at update 0, e.g. "
+            "{0: 1, 1000: 4}. Received an empty dict."
+        )
+    schedule: dict[int, int] = {}
+    previous = None
+    for key, steps in value.items():
+        if isinstance(key, str) and key.isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral):
+            raise TypeError(
+                "`gradient_accumulation_steps` schedule keys must be ints (the "
+                f"first update of each phase). Received key {key!r} of type "
+                f"{type(key).__name__} (value {steps!r})."
+            )
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+            raise TypeError(
+                "`gradient_accumulation_steps` schedule values must be ints >= 1 "
+                f"(micro-steps per update). Received {{{key!r}: {steps!r}}}: "
+                f"a value of type {type(steps).__name__}."
+            )
+        if steps < 1:
+            raise ValueError(
+                "`gradient_accumulation_steps` schedule values must be >= 1. "
+                f"Received {{{key!r}: {steps!r}}}."
+            )
+        if previous is None and key != 0:
+            raise ValueError(
+                "`gradient_accumulation_steps` schedule must start at update 0 "
+                f"(the N of the first window). Received first key {key!r} "
+                f"(value {steps!r})."
+            )
+        if previous is not None and key <= previous:
+            raise ValueError(
+                "`gradient_accumulation_steps` schedule keys must be strictly "
+                f"ascending, in the order given. Received key {key!r} (value "
+                f"{steps!r}) after key {previous!r}."
+            )
+        schedule[int(key)] = int(steps)
+        previous = key
+    return schedule
+
+
+def window_length(schedule: Any) -> Callable[[Any], Any] | int:
+    """From a validated ``gradient_accumulation_steps``: the int itself, or
+    ``n(update_index)`` returning the window's N as an int64 scalar tensor
+    (a dict: piecewise constant, one ``searchsorted`` over its keys; a
+    callable: its result, asserted >= 1 when the step runs)."""
+    if isinstance(schedule, numbers.Integral):
+        return int(schedule)
+    if isinstance(schedule, dict):
+        keys = sorted(schedule)
+        values = [schedule[k] for k in keys]
+
+        def n(update_index: Any) -> Any:
+            update_index = tf.cast(update_index, tf.int64)
+            position = tf.reduce_sum(tf.cast(tf.constant(keys, tf.int64) <= update_index, tf.int32)) - 1
+            return tf.gather(tf.constant(values, tf.int64), position)
+
+        return n
+
+    def n(update_index: Any) -> Any:
+        value = tf.cast(schedule(tf.cast(update_index, tf.int64)), tf.int64)
+        check = tf.debugging.assert_positive(
+            value, message="gradient_accumulation_steps(update_index) must return an int >= 1"
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(value)
+
+    return n
+
+
+def check_weight(weight: Any) -> Any:
+    """Check a micro-step's ``weight`` (its count ``c``); return it as a
+    float32 scalar tensor, or ``None`` for ``None``.
+
+    Python numbers and eager tensors are checked at once; a symbolic tensor
+    (inside ``tf.function``) is checked when the step runs: the micro-step's
+    writes wait for an assertion, so a negative or non-finite weight stops
+    the step with ``InvalidArgumentError`` before any state changes.
+
+    Raises:
+        TypeError: not a real number or numeric tensor.
+        ValueError: not a scalar; negative, NaN or infinite.
+    """
+    if weight is None:
+        return None
+    try:
+        if isinstance(weight, (bool, str, bytes)):
+            raise TypeError
+        value = tf.convert_to_tensor(weight)
+        if not (value.dtype.is_floating or value.dtype.is_integer) or value.dtype == tf.bool:
+            raise TypeError
+    except (TypeError, ValueError):
+        raise TypeError(
+            "`weight` must be a scalar >= 0 (the micro-batch's count: samples, "
+            f"sum of sample weights or unmasked tokens). Received weight={weight!r} "
+            f"of type {type(weight).__name__}."
+        ) from None
+    value = tf.cast(value, tf.float32)
+    if value.shape.rank is not None and value.shape.rank != 0:
+        raise ValueError(
+            "`weight` must be a scalar (one count per micro-step). Received a "
+            f"value of shape {tuple(value.shape)}."
+        )
+    if tf.executing_eagerly() or tf.get_static_value(value) is not None:
+        number = float(tf.get_static_value(value))
+        if not (number >= 0 and number < float("inf")):
+            raise ValueError(
+                "`weight` must be finite and >= 0 (the micro-batch's count). "
+                f"Received weight={number!r}."
+            )
+        return value
+    check = tf.debugging.assert_all_finite(value, "`weight` must be finite")
+    with tf.control_dependencies([check, tf.debugging.assert_non_negative(value, message="`weight` must be >= 0")]):
+        return tf.identity(value)
+
+
 def validate_nonfinite(value: Any, supported: Sequence[str] = NONFINITE_POLICIES) -> str:
     """Return ``value`` if it is one of ``supported`` (a family passes the
     policies it supplies the state for), else raise ValueError."""
@@ -306,6 +466,8 @@ def micro_step(
     nonfinite: str = "propagate",
     all_replicas: Callable[[Any], Any] | None = None,
     finite: Any = None,
+    weight: Any = None,
+    replicas: int = 1,
 ) -> Any:
     """One micro-step: accumulate, count, and on a window's last micro-step update.
 
@@ -323,7 +485,9 @@ def micro_step(
             a boolean scalar, true iff it had one earlier in the window; the
             adapter must skip every update of a variable whose gate is false
             (its weight, slots, weight decay and constraint).
-        gradient_accumulation_steps: N (>= 1), micro-steps per window.
+        gradient_accumulation_steps: N (>= 1), micro-steps per window, or
+            (with ``state.mini_step``) a schedule ``n(update_index)`` from
+            :func:`window_length`.
         reduction: ``"mean"`` or ``"sum"``.
         each_replica: ``each_replica(fn, *args)`` runs ``fn`` in every replica
             (``call_for_each_replica``); default: call it here.
@@ -344,18 +508,29 @@ def micro_step(
             ``None``) records a micro-step that an outer loss-scale optimizer
             skipped (it never reached this optimizer); nothing of the update
             is then built. Ignored by ``"propagate"``.
+        weight: the micro-step's count ``c`` (float32 scalar from
+            :func:`check_weight`; per replica under ``tf.distribute``), or
+            ``None`` for 1. The accumulators add ``c * grad`` and
+            ``window_weight`` adds ``c``; ``"mean"`` divides the window by
+            the window's ``Σ c`` (see :func:`close_window`), ``"sum"`` does
+            not divide. Needs ``state.window_weight``.
+        replicas: the number of replicas in sync (the normaliser's divisor,
+            see :func:`close_window`).
 
     Returns:
         What ``backend.cond`` returns (an op for TF1 graph code).
     """
     each_replica = each_replica or _call
     check_window_state(state, nonfinite)
+    if weight is not None and state.window_weight is None:
+        raise ValueError("`weight` needs a WindowState with `window_weight`; the adapter did not supply it.")
     mask = received_mask(grads)
     sparse = [sparse_window(g, state.rows_tracker(i)) for i, g in enumerate(grads)]
-    with tf.control_dependencies(gradient_tensors(grads)):
+    weight_tensors = [] if weight is None else gradient_tensors([weight])
+    with tf.control_dependencies(gradient_tensors(grads) + weight_tensors):
         if nonfinite == "propagate":
             ok = None
-            accumulated = each_replica(accumulate, backend, state, grads)
+            accumulated = each_replica(accumulate, backend, state, grads, weight)
         elif finite is False:
             return skipped_micro_step(backend, state, gradient_accumulation_steps, nonfinite, each_replica)
         else:
@@ -363,33 +538,132 @@ def micro_step(
                 ok = tf.convert_to_tensor(finite, tf.bool)
             else:
                 ok = (all_replicas or _identity)(each_replica(all_finite, grads))
-            accumulated = backend.cond(ok, lambda: each_replica(accumulate, backend, state, grads), _noop)
+            accumulated = backend.cond(ok, lambda: each_replica(accumulate, backend, state, grads, weight), _noop)
         with tf.control_dependencies(_ops(accumulated)):
             counted = count(backend, state, mask, nonfinite, ok)
         with tf.control_dependencies(_ops(counted)):
-            closes = is_update_step(state.micro_steps, gradient_accumulation_steps)
+            closes = window_closes(state, gradient_accumulation_steps)
             if nonfinite == "skip_micro_step":
-                # A skipped micro-step is not counted: `micro_steps` still
-                # holds the count that closed the previous window.
+                # A skipped micro-step is not counted: the counters still
+                # hold what closed the previous window.
                 closes = tf.logical_and(ok, closes)
+            return backend.cond(
+                closes,
+                lambda: close_window(backend, state, sparse, mask, apply_inner, gradient_accumulation_steps,
+                                     reduction, each_replica, nonfinite, replicas),
+                _noop,
+            )
 
-            def update() -> Any:
-                applied = each_replica(apply_window, backend, state, sparse, mask, apply_inner,
-                                       gradient_accumulation_steps, reduction)
-                with tf.control_dependencies(_ops(applied)):
-                    return backend.assign(state.grad_received, tf.zeros_like(state.grad_received))
 
-            if nonfinite != "skip_window":
-                return backend.cond(closes, update, _noop)
+def flush(
+    backend: Backend,
+    state: WindowState,
+    apply_inner: Callable[[list, dict], Any],
+    reduction: str,
+    each_replica: Callable[..., Any] | None = None,
+    *,
+    nonfinite: str = "propagate",
+    replicas: int = 1,
+) -> Any:
+    """Apply the current, partial window now, if it holds a micro-step.
 
-            def discard() -> Any:
-                return discard_window(backend, state, sparse, each_replica)
+    What the closing micro-step of a window does (:func:`close_window`),
+    without a micro-step: the window gradient is normalised by what the
+    window holds (``window_weight``: its micro-steps, or its counts when
+    weighted; never by N), every variable is gated by ``grad_received``,
+    and the window restarts (``mini_step = 0``). ``micro_steps`` does not
+    move; the inner ``iterations`` does, by one. A no-op on an empty window
+    (``mini_step == 0``). Needs ``state.mini_step`` and
+    ``state.window_weight``; called in cross-replica context under
+    ``tf.distribute`` (``each_replica`` as for :func:`micro_step`).
+    """
+    each_replica = each_replica or _call
+    check_window_state(state, nonfinite)
+    if state.mini_step is None or state.window_weight is None:
+        raise ValueError("flush() needs a WindowState with `mini_step` and `window_weight`.")
+    mask = [0] * len(state.acc_grads)
+    sparse = [sparse_window(None, state.rows_tracker(i)) for i in range(len(state.acc_grads))]
+    holds = tf.greater(tf.convert_to_tensor(state.mini_step), 0)
+    return backend.cond(
+        holds,
+        lambda: close_window(backend, state, sparse, mask, apply_inner, None, reduction, each_replica,
+                             nonfinite, replicas),
+        _noop,
+    )
 
-            def close() -> Any:
-                poisoned = tf.greater(tf.convert_to_tensor(state.window_poisoned), 0)
-                return backend.cond(poisoned, discard, update)
 
-            return backend.cond(closes, close, _noop)
+def close_window(
+    backend: Backend,
+    state: WindowState,
+    sparse: Sequence[bool],
+    mask: Sequence[int],
+    apply_inner: Callable[[list, dict], Any],
+    gradient_accumulation_steps: Any,
+    reduction: str,
+    each_replica: Callable[..., Any],
+    nonfinite: str,
+    replicas: int,
+) -> Any:
+    """The end of a window: one inner update with the window gradient, or,
+    for a window marked non-finite (``"skip_window"``) or whose counts sum to
+    0, a discard (accumulators zeroed, the inner optimizer not called).
+
+    The normaliser of ``"mean"``: ``window_weight`` summed over replicas,
+    divided by ``replicas`` (each replica's gradient is already its mean
+    loss's divided by the replica count, Keras' convention), read once per
+    update: one scalar reduction under a multi-replica strategy. Without
+    ``window_weight``: N (``gradient_accumulation_steps``, an int).
+    """
+    if state.window_weight is None:
+        divisor, total = gradient_accumulation_steps, None
+    else:
+        total = tf.convert_to_tensor(state.window_weight)
+        divisor = total / tf.cast(replicas, total.dtype) if replicas != 1 else total
+
+    def update() -> Any:
+        applied = each_replica(apply_window, backend, state, sparse, mask, apply_inner, divisor, reduction)
+        with tf.control_dependencies(_ops(applied)):
+            return restart_window(backend, state)
+
+    def drop() -> Any:
+        return discard_window(backend, state, sparse, each_replica, count_skipped=False)
+
+    def weighted_update() -> Any:
+        if total is None:
+            return update()
+        return backend.cond(tf.greater(total, 0), update, drop)
+
+    if nonfinite != "skip_window":
+        return weighted_update()
+    poisoned = tf.greater(tf.convert_to_tensor(state.window_poisoned), 0)
+    return backend.cond(
+        poisoned, lambda: discard_window(backend, state, sparse, each_replica), weighted_update
+    )
+
+
+def restart_window(backend: Backend, state: WindowState) -> list:
+    """``grad_received = 0`` and ``mini_step = 0`` (cross-replica counters)."""
+    done = [backend.assign(state.grad_received, tf.zeros_like(state.grad_received))]
+    if state.mini_step is not None:
+        done.append(backend.assign(state.mini_step, tf.zeros_like(state.mini_step)))
+    return done
+
+
+def window_closes(state: WindowState, gradient_accumulation_steps: Any) -> Any:
+    """Boolean scalar: does the micro-step just counted close its window?
+
+    With ``state.mini_step``: ``mini_step >= N``, N the int, or the
+    schedule's N for the window (``gradient_accumulation_steps(updates)``,
+    :func:`window_length`). Without: ``micro_steps % N == 0``.
+    """
+    if state.mini_step is None:
+        return is_update_step(state.micro_steps, gradient_accumulation_steps)
+    if callable(gradient_accumulation_steps):
+        length = gradient_accumulation_steps(tf.convert_to_tensor(state.updates))
+    else:
+        length = gradient_accumulation_steps
+    mini_step = tf.convert_to_tensor(state.mini_step)
+    return tf.greater_equal(mini_step, tf.cast(length, mini_step.dtype))
 
 
 def skipped_micro_step(
@@ -409,8 +683,10 @@ def skipped_micro_step(
         backend.assign(state.window_poisoned, tf.ones_like(state.window_poisoned)),
         increment(backend, state.micro_steps),
     ]
+    if state.mini_step is not None:
+        skipped.append(increment(backend, state.mini_step))
     with tf.control_dependencies(_ops(skipped)):
-        closes = is_update_step(state.micro_steps, gradient_accumulation_steps)
+        closes = window_closes(state, gradient_accumulation_steps)
         return backend.cond(closes, lambda: discard_window(backend, state, sparse, each_replica), _noop)
 
 
@@ -441,15 +717,20 @@ def sparse_window(grad: Any, tracker: Any) -> bool:
     return grad is None or isinstance(_local(grad), tf.IndexedSlices)
 
 
-def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any]) -> list:
-    """Step 1: ``acc_grads[i] += grads[i]`` for each gradient that is not None
-    (cast to the accumulator's dtype: a float32 accumulator sums 16-bit
-    gradients exactly), and mark the rows it touched where rows are tracked."""
+def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any], weight: Any = None) -> list:
+    """Step 1: ``acc_grads[i] += weight * grads[i]`` for each gradient that is
+    not None (cast to the accumulator's dtype first: a float32 accumulator
+    sums 16-bit gradients exactly; no multiplication without a weight),
+    ``window_weight += weight`` (1 without one), and mark the rows each
+    gradient touched where rows are tracked."""
     done = []
+    if state.window_weight is not None:
+        count = tf.constant(1.0, state.window_weight.dtype) if weight is None else tf.cast(weight, state.window_weight.dtype)
+        done.append(backend.assign_add(state.window_weight, count))
     for i, (acc, grad) in enumerate(zip(state.acc_grads, grads)):
         if grad is None:
             continue
-        done.append(backend.assign_add(acc, cast_to(grad, acc.dtype)))
+        done.append(backend.assign_add(acc, scaled(cast_to(grad, acc.dtype), weight)))
         rows = state.rows_tracker(i)
         if rows is None:
             continue
@@ -460,14 +741,33 @@ def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any]) -> li
     return done
 
 
+def scaled(grad: Any, weight: Any) -> Any:
+    """``weight * grad`` (dense or ``tf.IndexedSlices``); ``grad`` itself
+    without a weight."""
+    if weight is None:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(weight, grad.dtype)
+
+
 def received_mask(grads: Sequence[Any]) -> list[int]:
     """Which variables got a gradient this micro-step (a trace-time constant)."""
     return [0 if g is None else 1 for g in grads]
 
 
 def count_micro_step(backend: Backend, state: WindowState, mask: Sequence[int]) -> list:
-    """Step 2: ``micro_steps += 1`` and ``grad_received |= mask``."""
-    return [increment(backend, state.micro_steps)] + mark_received(backend, state, mask)
+    """Step 2: ``micro_steps += 1``, ``mini_step += 1`` and
+    ``grad_received |= mask``."""
+    return advance(backend, state) + mark_received(backend, state, mask)
+
+
+def advance(backend: Backend, state: WindowState) -> list:
+    """``micro_steps += 1`` and (where kept) ``mini_step += 1``."""
+    done = [increment(backend, state.micro_steps)]
+    if state.mini_step is not None:
+        done.append(increment(backend, state.mini_step))
+    return done
 
 
 def mark_received(backend: Backend, state: WindowState, mask: Sequence[int]) -> list:
@@ -507,23 +807,29 @@ def count(backend: Backend, state: WindowState, mask: Sequence[int], nonfinite: 
 
     if nonfinite == "skip_micro_step":
         return backend.cond(ok, lambda: count_micro_step(backend, state, mask), skipped)
-    counted = increment(backend, state.micro_steps)
+    counted = advance(backend, state)
     with tf.control_dependencies(_ops(counted)):
         return [counted, backend.cond(ok, lambda: mark_received(backend, state, mask), skipped)]
 
 
-def discard_window(backend: Backend, state: WindowState, sparse: Sequence[bool], each_replica: Callable) -> Any:
-    """``"skip_window"`` at the end of a marked window: zero the accumulators
-    (in each replica) and ``grad_received``, clear the mark, and
-    ``skipped_windows += 1``. The inner optimizer is not called, so the
-    weights, its slots, ``iterations``, schedules and EMA do not move."""
+def discard_window(
+    backend: Backend, state: WindowState, sparse: Sequence[bool], each_replica: Callable, count_skipped: bool = True
+) -> Any:
+    """End a window without an update: zero the accumulators (in each
+    replica), ``grad_received`` and ``mini_step``. ``count_skipped``
+    (``"skip_window"`` at the end of a marked window): also clear the mark
+    and ``skipped_windows += 1``; otherwise (a window whose counts sum to 0)
+    nothing else. The inner optimizer is not called, so the weights, its
+    slots, ``iterations``, schedules and EMA do not move."""
     dropped = each_replica(zero_accumulators, backend, state, sparse)
     with tf.control_dependencies(_ops(dropped)):
-        return [
-            backend.assign(state.grad_received, tf.zeros_like(state.grad_received)),
-            backend.assign(state.window_poisoned, tf.zeros_like(state.window_poisoned)),
-            increment(backend, state.skipped_windows),
-        ]
+        done = restart_window(backend, state)
+        if count_skipped:
+            done += [
+                backend.assign(state.window_poisoned, tf.zeros_like(state.window_poisoned)),
+                increment(backend, state.skipped_windows),
+            ]
+        return done
 
 
 def zero_accumulators(backend: Backend, state: WindowState, sparse: Sequence[bool]) -> list:
@@ -544,15 +850,16 @@ def apply_window(
     sparse: Sequence[bool],
     mask: Sequence[int],
     apply_inner: Callable[[list, dict], Any],
-    gradient_accumulation_steps: int,
+    divisor: Any,
     reduction: str,
 ) -> list:
     """Step 3 (in each replica): the inner update with the window's
-    gradients, then the accumulators zeroed."""
+    gradients (``"mean"``: the sums divided by ``divisor``, an int N or a
+    float scalar tensor), then the accumulators zeroed."""
     rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
     dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
     window = [
-        cast_to(window_gradient(acc, gradient_accumulation_steps, reduction, r), dtype)
+        cast_to(window_gradient(acc, divisor, reduction, r), dtype)
         for acc, r, dtype in zip(state.acc_grads, rows, dtypes)
     ]
     gates = {i: tf.greater(state.grad_received[i], 0) for i, m in enumerate(mask) if not m}
@@ -566,14 +873,16 @@ def touched_rows(tracker: Any) -> Any:
     return tf.reshape(tf.where(tf.convert_to_tensor(tracker) > 0), [-1])
 
 
-def window_gradient(acc: Any, gradient_accumulation_steps: int, reduction: str, rows: Any = None) -> Any:
+def window_gradient(acc: Any, divisor: Any, reduction: str, rows: Any = None) -> Any:
     """The gradient one update applies, from one accumulator slot.
 
-    ``mean``: ``acc / N``. For a loss that is a mean over its micro-batch of B
-    samples this is exactly the gradient of the mean loss over the N*B samples
-    of the window (micro-steps where the variable had no gradient contribute
-    zero, as the missing samples' terms do in the large batch).
-    ``sum``: ``acc``, the recipe of summing micro-batch gradients.
+    ``mean``: ``acc / divisor``, ``divisor`` being N (an int) or the window's
+    count ``Σ cᵢ`` (a float scalar tensor). For a loss that is a mean over
+    its micro-batch this is exactly the gradient of the mean loss over the
+    window's samples (``acc = Σ cᵢ·gᵢ``; micro-steps where the variable had
+    no gradient contribute zero, as the missing samples' terms do in the
+    large batch). ``sum``: ``acc``, the recipe of summing micro-batch
+    gradients.
 
     With ``rows`` (int64 vector of touched rows), a ``tf.IndexedSlices`` over
     those rows, each once: what a lazy sparse optimizer must see to match the
@@ -583,8 +892,8 @@ def window_gradient(acc: Any, gradient_accumulation_steps: int, reduction: str, 
         value = tf.convert_to_tensor(acc)
     else:
         value = tf.gather(acc, rows)
-    if reduction == "mean" and gradient_accumulation_steps != 1:
-        value = value / tf.cast(gradient_accumulation_steps, value.dtype)
+    if reduction == "mean" and not (isinstance(divisor, numbers.Integral) and divisor == 1):
+        value = value / tf.cast(divisor, value.dtype)
     if rows is None:
         return value
     return tf.IndexedSlices(value, rows, dense_shape=tf.constant(_static_shape(acc), tf.int64))
@@ -608,6 +917,8 @@ def reset(backend: Backend, state: WindowState, rows: Sequence[Any], zero: Any) 
     """Zero the accumulators (only the touched rows where ``rows[i]`` is
     given, and their marks), with ``zero`` from :func:`runtime_zero`."""
     done = []
+    if state.window_weight is not None:
+        done.append(backend.assign(state.window_weight, tf.cast(zero, state.window_weight.dtype)))
     for i, (acc, r) in enumerate(zip(state.acc_grads, rows)):
         if r is None:
             done.append(backend.assign(acc, tf.fill(tf.shape(acc), tf.cast(zero, acc.dtype))))

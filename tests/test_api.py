@@ -155,10 +155,12 @@ def test_counters_and_values_hand_derived(n, grads):
     np.testing.assert_allclose(float(v.numpy()), float(expected), rtol=1e-6, atol=1e-6)
 
 
-def test_assigning_micro_steps_moves_the_update_step():
-    """micro_steps = N-1 makes the next micro-step an update; afterwards a
-    full window of N micro-steps is needed again. Hand-derived with plain SGD:
-    the update is w0 - lr * (g1 + g2) / N."""
+def test_assigning_mini_step_moves_the_update_step():
+    """mini_step (the window's position) = N-1 makes the next micro-step an
+    update; afterwards a full window of N micro-steps is needed again.
+    ``micro_steps`` only counts. Hand-derived with plain SGD: the window
+    holds two micro-batches (its count is 2), so the update is
+    w0 - lr * (g1 + g2) / 2."""
     n, b, lr = 4, 5, 0.1
     x, y = make_data(6 * b)
     model = make_mlp(0)
@@ -176,10 +178,10 @@ def test_assigning_micro_steps_moves_the_update_step():
 
     step(tf.constant(x[:b]), tf.constant(y[:b]))
     assert (int(opt.micro_steps), int(opt.iterations)) == (1, 0)
-    opt.micro_steps.assign(n - 1)
+    opt.mini_step.assign(n - 1)
     step(tf.constant(x[b : 2 * b]), tf.constant(y[b : 2 * b]))
-    assert (int(opt.micro_steps), int(opt.iterations)) == (n, 1)
-    expected = [w - lr * (g1 + g2) / n for w, g1, g2 in zip(w0, *grads_at_w0)]
+    assert (int(opt.micro_steps), int(opt.iterations), int(opt.mini_step)) == (2, 1, 0)
+    expected = [w - lr * (g1 + g2) / 2 for w, g1, g2 in zip(w0, *grads_at_w0)]
     assert max_abs_diff(weights(model), expected) < 1e-6
     # The accumulators were reset by that update.
     for a in opt.acc_grads:
@@ -192,7 +194,7 @@ def test_assigning_micro_steps_moves_the_update_step():
         for a, bw in zip(after_update, weights(model)):
             np.testing.assert_array_equal(a, bw)
     step(tf.constant(x[5 * b : 6 * b]), tf.constant(y[5 * b : 6 * b]))
-    assert (int(opt.micro_steps), int(opt.iterations)) == (2 * n, 2)
+    assert (int(opt.micro_steps), int(opt.iterations)) == (n + 2, 2)
     assert opt.micro_steps.dtype == "int64"
 
 
@@ -616,7 +618,7 @@ def test_variables_are_only_optimizer_state():
     ids = {id(v) for v in opt.variables}
     leaked = [v.path for v in model.weights if id(v) in ids]
     assert not leaked, f"model weights listed as optimizer variables: {leaked}"
-    own = [opt.micro_steps, opt.grad_received, *opt.acc_grads]
+    own = [opt.micro_steps, opt.grad_received, *opt.acc_grads, opt.mini_step, opt.window_weight]
     assert len(opt.variables) == len(own) + len(opt.inner_optimizer.variables)
 
 

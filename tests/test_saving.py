@@ -370,22 +370,24 @@ def test_tf_checkpoint_restore_into_unbuilt_optimizer_applies_when_it_builds(loo
 def test_restored_counters_are_assignable_int64_variables(fit_runs):
     model = keras.models.load_model(fit_runs.keras_file)
     opt = model.optimizer
-    for counter in (opt.micro_steps, opt.iterations):
+    for counter in (opt.micro_steps, opt.iterations, opt.mini_step):
         assert isinstance(counter, keras.Variable)
         assert counter.dtype == "int64"
     assert opt.iterations is opt.inner_optimizer.iterations
     assert int(opt.micro_steps.numpy()) == SAVE_AT
     assert int(opt.iterations.numpy()) == SAVE_AT // N
+    assert int(opt.mini_step.numpy()) == SAVE_AT % N
 
-    # Jump to the last micro-step of window 2: the next micro-step updates.
-    opt.micro_steps.assign(2 * N - 1)
+    # Jump to the last micro-step of the window: the next micro-step updates.
+    opt.mini_step.assign(N - 1)
     weights_before = weights(model)
     x, y = fit_runs.x[:B], fit_runs.y[:B]
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(y - model(x, training=True)))
     opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-    assert int(opt.micro_steps.numpy()) == 2 * N
+    assert int(opt.micro_steps.numpy()) == SAVE_AT + 1
     assert int(opt.iterations.numpy()) == SAVE_AT // N + 1
+    assert int(opt.mini_step.numpy()) == 0
     assert all(np.any(a != b) for a, b in zip(weights(model), weights_before))
     for a in opt.acc_grads:
         np.testing.assert_array_equal(a.numpy(), np.zeros(a.shape, a.dtype))
@@ -401,7 +403,8 @@ def test_saved_optimizer_state_is_accumulators_counters_and_inner_state_only(fit
     opt = model.optimizer
     model_ids = {id(v) for v in model.weights}
     assert [v for v in opt.variables if id(v) in model_ids] == []
-    expected_vars = [opt.micro_steps, opt.grad_received, *opt.acc_grads, *opt.inner_optimizer.variables]
+    expected_vars = [opt.micro_steps, opt.grad_received, *opt.acc_grads, *opt.inner_optimizer.variables,
+                     opt.mini_step, opt.window_weight]
     assert [id(v) for v in opt.variables] == [id(v) for v in expected_vars]
 
     # In the file: the plain AdamW's state + micro_steps + grad_received + one

@@ -257,12 +257,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             inner_optimizer, gradient_accumulation_steps, kwargs,
             accepted=acc_lib.ARGUMENTS + acc_lib.NUMERICS_ARGUMENTS,
         )
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        steps = acc_lib.validate_accumulation_schedule(gradient_accumulation_steps)
         reduction = acc_lib.validate_reduction(reduction)
         nonfinite = acc_lib.validate_nonfinite(nonfinite)
         accumulator_dtype = _validate_accumulator_dtype(accumulator_dtype)
         inner = _resolve_inner(inner_optimizer)
-        if steps > 1 or nonfinite != "propagate":  # (the pass-through goes wherever its inner goes)
+        if not isinstance(steps, int) or steps > 1 or nonfinite != "propagate":  # (the pass-through goes wherever its inner goes)
             _check_strategy()
 
         super().__init__(learning_rate=0.0, name=name)
@@ -286,6 +286,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.window_poisoned = None
         # (Untracked attributes: Keras and TF track the variables by name.)
         object.__setattr__(self, "_nonfinite_variables", [])
+        object.__setattr__(self, "_window_variables", [])
+        object.__setattr__(self, "_window_length", acc_lib.window_length(steps))
+        object.__setattr__(self, "_flush_function", None)
+        self.mini_step = None
+        self.window_weight = None
         object.__setattr__(self, "_outer_ref", None)
         # Like Keras' `iterations`, the micro-step counter exists before
         # `build`, so that restoring it (load_weights before the first step)
@@ -297,8 +302,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             )
 
     @property
-    def gradient_accumulation_steps(self) -> int | None:
-        """N, micro-steps per update (read-only: fixed at construction)."""
+    def gradient_accumulation_steps(self) -> Any:
+        """N, micro-steps per update: an int, or the schedule given (a dict
+        ``{first_update: N}`` or a callable ``update_index -> N``). Read-only:
+        fixed at construction."""
         return self.__dict__.get("_gradient_accumulation_steps")
 
     @gradient_accumulation_steps.setter
@@ -373,6 +380,18 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     setattr(self, counter, variable)
                     created.append(variable)
                 object.__setattr__(self, "_nonfinite_variables", created)
+            if self._accumulates:
+                # The window's position and count (saved last: state saved
+                # without them, by 0.1.0 and 0.2.0.dev0, is a prefix).
+                self.mini_step = self.add_variable(
+                    shape=(), dtype="int", aggregation="only_first_replica", name="mini_step"
+                )
+                self.window_weight = keras.Variable(
+                    initializer=keras.initializers.Zeros(), shape=(), dtype="float32", trainable=False,
+                    aggregation="sum", synchronization="on_read", name="window_weight",
+                )
+                self._track_variable(self.window_weight)
+                object.__setattr__(self, "_window_variables", [self.mini_step, self.window_weight])
         self.inner_optimizer.build(var_list)
         self.built = True
         # `build` may run inside the first traced train step; restores must
@@ -386,7 +405,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     @property
     def _accumulates(self) -> bool:
         """Whether micro-steps go through windows (else: the pass-through)."""
-        return self.gradient_accumulation_steps > 1 or self.nonfinite != "propagate"
+        steps = self.gradient_accumulation_steps
+        return not isinstance(steps, int) or steps > 1 or self.nonfinite != "propagate"
 
     def _accumulator_dtype(self, variable: Any) -> str:
         if self.accumulator_dtype is not None:
@@ -514,9 +534,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         ``window_poisoned``): last, so that state saved without them (by
         ``"propagate"``, and by 0.1.0) is a prefix of the state saved with
         them."""
-        left_out = list(self._unused_base_variables) + self._nonfinite_variables
+        left_out = list(self._unused_base_variables) + self._nonfinite_variables + self._window_variables
         own = [v for v in self._variables if not any(v is u for u in left_out)]
-        return own + self.inner_optimizer.variables + self._nonfinite_variables
+        return own + self.inner_optimizer.variables + self._nonfinite_variables + self._window_variables
 
     def __dir__(self):
         # Keras' saving walks `dir()` for child objects to save. The inner
@@ -638,9 +658,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self._deferred_state = {k: np.asarray(store[k]) for k in keys}
             self._restore_counters(self._deferred_state)
             return
-        variables = self.variables
-        if len(own_keys) == len(variables) - len(self._nonfinite_variables) and self._nonfinite_variables:
-            variables = variables[: len(own_keys)]  # saved without the skipping counters
+        variables = self._saved_layout(store, len(own_keys))
         if len(own_keys) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{self.name}': it has "
@@ -653,12 +671,36 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             )
         for i, variable in enumerate(variables):
             variable.assign(store[str(i)])
+        if self._window_variables and not any(v is self.mini_step for v in variables):
+            # Saved before the window had its own position (0.2.0.dev0 and
+            # older, no flush, no schedule): it was `micro_steps % N`.
+            steps = self.gradient_accumulation_steps
+            position = int(self.micro_steps.numpy()) % steps if isinstance(steps, int) else 0
+            self.mini_step.assign(position)
+            self.window_weight.assign(float(position))
         if outer_keys:
             outer_state = {k: np.asarray(store[k]) for k in outer_keys}
             if self.outer_optimizer is not None:
                 self._load_outer_state(outer_state)
             else:
                 self._deferred_outer_state = outer_state
+
+    def _saved_layout(self, store: Mapping[str, Any], saved: int) -> list:
+        """The variables that ``saved`` stored arrays fill, in order:
+        :attr:`variables`, or the layouts of older or other-policy saves
+        (without the window's ``mini_step``/``window_weight``, 0.2.0.dev0 and
+        older; without the skipping counters, saved with ``"propagate"``);
+        :attr:`variables` when none fits (the caller raises)."""
+        base = self.variables[: len(self.variables) - len(self._nonfinite_variables) - len(self._window_variables)]
+        nonfinite, window = self._nonfinite_variables, self._window_variables
+        layouts = [base + nonfinite + window, base + nonfinite, base + window, base]
+        fitting = [layout for layout in layouts if len(layout) == saved]
+        if len(fitting) > 1 and window:
+            # Same length (two skip counters vs the two window variables):
+            # the window's last variable is the float `window_weight`.
+            last = np.asarray(store[str(saved - 1)])
+            fitting = [l for l in fitting if (l[-1] is self.window_weight) == np.issubdtype(last.dtype, np.floating)]
+        return fitting[0] if fitting else self.variables
 
     def _restore_counters(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore, before build, the two counters that already exist:
@@ -688,15 +730,17 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.iterations.assign(state[str(own)])
 
     # ------------------------------------------------------------ micro-step
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], weight: Any = None) -> Any:
+        """:meth:`apply` with ``(gradient, variable)`` pairs; returns
+        ``iterations`` (updates taken)."""
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return self.iterations
         grads, trainable_variables = zip(*grads_and_vars)
-        self.apply(grads, trainable_variables)
+        self.apply(grads, trainable_variables, weight=weight)
         return self.iterations
 
-    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None, weight: Any = None) -> None:
         """Take one micro-step with ``grads`` for ``trainable_variables``.
 
         ``grads[i]`` is the gradient of the micro-batch loss for
@@ -704,10 +748,33 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         ``tf.IndexedSlices``, or ``None``). Without ``trainable_variables``
         the gradients must match the variables the optimizer was built with.
 
+        ``weight``: the micro-batch's count ``c``, what its mean loss was
+        taken over (samples, sum of sample weights, unmasked tokens): a
+        Python number or a scalar tensor >= 0, finite; it may differ per
+        micro-step. The window applies ``Σ cᵢ·gᵢ / Σ cᵢ`` (``"mean"``) or
+        ``Σ cᵢ·gᵢ`` (``"sum"``); a window whose counts sum to 0 applies
+        nothing (the inner optimizer is not called). ``None`` (default):
+        the count reported by a :class:`accum_optimizer.CountedLoss` in this
+        train step, if any, else 1 (every micro-step counts the same, the
+        unweighted window). Under ``tf.distribute`` each replica passes its
+        own count; each replica's gradient is its mean loss's divided by the
+        replica count, as ``fit`` forms it.
+
         Raises:
             ValueError: lengths differ; a gradient's shape differs from its
-                variable's; every gradient is ``None``; a variable is unknown.
+                variable's; every gradient is ``None``; a variable is unknown;
+                ``weight`` is not a scalar, is negative or not finite (inside
+                ``tf.function``: ``InvalidArgumentError`` when the step runs,
+                before any state changes).
+            TypeError: ``weight`` is not a number.
         """
+        import tensorflow as tf
+
+        from accum_optimizer import counting
+
+        if weight is None:
+            weight = counting.reported_count(self.reduction)
+        weight = acc_lib.check_weight(weight)
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -742,14 +809,20 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
 
-        import tensorflow as tf
-
         if not self._accumulates:
             # Pass-through; its writes, too, wait for the gradients (see
             # `_accumulation`: a phantom call at the end of an input of
             # unknown length must not count).
-            with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
-                self.inner_optimizer.apply(grads, trainable_variables)
+            with tf.control_dependencies(acc_lib.gradient_tensors(grads + [weight])):
+                if weight is None:
+                    self.inner_optimizer.apply(grads, trainable_variables)
+                else:
+                    # A window of one micro-step: c·g/c = g ("mean") or c·g
+                    # ("sum"); a count of 0 applies nothing.
+                    if self.reduction == "sum":
+                        grads = [acc_lib.scaled(g, weight) if g is not None else None for g in grads]
+                    ops.cond(weight > 0, lambda: _none(self.inner_optimizer.apply(grads, trainable_variables)),
+                             lambda: None)
                 self.assign_add(self.micro_steps, 1)
             return
         # Put the gradients in build order; variables absent from this call
@@ -757,9 +830,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         full = [None] * len(self._trainable_variables)
         for g, v in zip(grads, trainable_variables):
             full[self._get_variable_index(v)] = g
-        self._tf_apply(full)
+        self._tf_apply(full, weight)
 
-    def _tf_apply(self, grads: list) -> None:
+    def _tf_apply(self, grads: list, weight: Any = None) -> None:
         """TensorFlow path: the only place that knows about ``tf.distribute``
         (with :func:`_check_strategy`, which refuses the strategies it cannot
         serve).
@@ -799,11 +872,13 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             for g, v in zip(grads, self._trainable_variables)
         ]
         if not tf.distribute.has_strategy():
-            self._micro_step(checked)
+            self._micro_step(checked, weight=weight)
             return
-        tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
+        tf.distribute.get_replica_context().merge_call(
+            self._cross_replica_step, args=(checked,), kwargs={"weight": weight}
+        )
 
-    def _cross_replica_step(self, distribution: Any, grads: list, finite: Any = None) -> None:
+    def _cross_replica_step(self, distribution: Any, grads: list, finite: Any = None, weight: Any = None) -> None:
         # Runs once, in cross-replica context, for all replicas (`grads` holds
         # per-replica values; which are None is the same in every replica).
         import tensorflow as tf
@@ -816,28 +891,104 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             bad = distribution.reduce(tf.distribute.ReduceOp.SUM, each_replica(_nonfinite_count, flag), axis=None)
             return tf.equal(bad, 0.0)
 
-        self._micro_step(grads, each_replica, all_replicas, finite)
+        self._micro_step(grads, each_replica, all_replicas, finite, weight)
 
-    def _micro_step(self, grads: list, each_replica: Any = None, all_replicas: Any = None, finite: Any = None) -> None:
+    def _window_state(self) -> acc_lib.WindowState:
+        return acc_lib.WindowState(
+            self.acc_grads,
+            self.micro_steps,
+            self.grad_received,
+            skipped_micro_steps=self.skipped_micro_steps,
+            skipped_windows=self.skipped_windows,
+            window_poisoned=self.window_poisoned,
+            variable_dtypes=[v.dtype for v in self._trainable_variables],
+            mini_step=self.mini_step,
+            window_weight=self.window_weight,
+            updates=self.inner_optimizer.iterations,
+        )
+
+    def _micro_step(
+        self, grads: list, each_replica: Any = None, all_replicas: Any = None, finite: Any = None, weight: Any = None
+    ) -> None:
         acc_lib.micro_step(
             _KerasBackend(self),
-            acc_lib.WindowState(
-                self.acc_grads,
-                self.micro_steps,
-                self.grad_received,
-                skipped_micro_steps=self.skipped_micro_steps,
-                skipped_windows=self.skipped_windows,
-                window_poisoned=self.window_poisoned,
-                variable_dtypes=[v.dtype for v in self._trainable_variables],
-            ),
+            self._window_state(),
             grads,
             self._apply_inner,
-            self.gradient_accumulation_steps,
+            self._window_length,
             self.reduction,
             each_replica,
             nonfinite=self.nonfinite,
             all_replicas=all_replicas,
             finite=finite,
+            weight=weight,
+            replicas=_replicas_in_sync(),
+        )
+
+    # --------------------------------------------------------- partial window
+    def flush(self) -> None:
+        """Apply the current, partial window now as one update, if it holds
+        at least one micro-step; a no-op on an empty window.
+
+        The update is normalised by what the window holds (``"mean"``: its
+        micro-steps, or the sum of their counts when weighted; never by N),
+        exactly what a large batch of the window's samples would apply; then
+        a new window starts. ``iterations`` moves by one, ``micro_steps``
+        does not, and ``mini_step`` (the window's position) restarts at 0.
+        Works eagerly and inside ``tf.function``, with or without a
+        ``tf.distribute`` strategy (call it where you would call ``fit``, in
+        cross-replica context). Lightning's forced step at epoch end divides
+        by N instead (Lightning#19987); this one does not.
+        ``accum_optimizer.FlushPartialWindow`` calls it at every epoch end.
+
+        A window that a skipping policy marked non-finite is discarded, as
+        its closing micro-step would; a window whose counts sum to 0 applies
+        nothing.
+        """
+        if not self.built or not self._accumulates:
+            return
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "AccumulatingOptimizer.flush() must be called in cross-replica "
+                "context (outside strategy.run), like model.fit."
+            )
+        function = self.__dict__.get("_flush_function")
+        if function is None:
+            # (A function per optimizer: tf.function's retracing warning
+            # would count one shared bound method across instances.)
+            function = tf.function(lambda: self._flush_step(), autograph=False)
+            object.__setattr__(self, "_flush_function", function)
+        # The strategy the optimizer was built under (callbacks run outside
+        # its scope).
+        strategy = getattr(self, "_distribution_strategy", None)
+        with strategy.scope() if strategy is not None and not tf.distribute.has_strategy() else contextlib.nullcontext():
+            function()
+
+    def _flush_step(self) -> None:
+        import tensorflow as tf
+
+        if not tf.distribute.has_strategy():
+            self._flush_window()
+            return
+        strategy = tf.distribute.get_strategy()
+        strategy.run(lambda: tf.distribute.get_replica_context().merge_call(lambda d: self._flush_window(d)))
+
+    def _flush_window(self, distribution: Any = None) -> None:
+        each_replica = None
+        if distribution is not None:
+            def each_replica(fn, *args):
+                return distribution.extended.call_for_each_replica(fn, args=args)
+
+        acc_lib.flush(
+            _KerasBackend(self),
+            self._window_state(),
+            self._apply_inner,
+            self.reduction,
+            each_replica,
+            nonfinite=self.nonfinite,
+            replicas=_replicas_in_sync(),
         )
 
     def _apply_inner(self, window_grads: list, gates: dict) -> None:
@@ -913,7 +1064,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_accumulation_steps": _serialize_schedule(self.gradient_accumulation_steps),
             "reduction": self.reduction,
             "nonfinite": self.nonfinite,
             "accumulator_dtype": self.accumulator_dtype,
@@ -925,6 +1076,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
+        steps = config.get("gradient_accumulation_steps")
+        if isinstance(steps, dict) and "class_name" in steps:
+            config["gradient_accumulation_steps"] = keras.saving.deserialize_keras_object(
+                steps, custom_objects=custom_objects
+            )
         return cls(inner, **config)
 
 
@@ -1019,6 +1175,33 @@ def _replica_local(variable: Any, value: Any) -> Any:
 
 def _none(_: Any) -> None:
     return None
+
+
+def _serialize_schedule(steps: Any) -> Any:
+    """``gradient_accumulation_steps`` for ``get_config``: an int or a dict
+    as is (JSON turns its keys into strings, which the constructor accepts),
+    a callable only if it is a registered Keras object.
+
+    Raises:
+        ValueError: an unregistered callable.
+    """
+    if isinstance(steps, (int, dict)):
+        return steps
+    name = keras.saving.get_registered_name(steps)
+    if keras.saving.get_registered_object(name) is not steps:
+        raise ValueError(
+            "Cannot serialize AccumulatingOptimizer: its gradient_accumulation_steps "
+            f"is the callable {steps!r}, which is not a registered Keras object. "
+            "Register it with @keras.saving.register_keras_serializable(), or "
+            "use a dict schedule {first_update: N, ...}, which serializes as is."
+        )
+    return keras.saving.serialize_keras_object(steps)
+
+
+def _replicas_in_sync() -> int:
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync
 
 
 # Key prefix, in this optimizer's saved store, of the variables of a

@@ -1,0 +1,78 @@
+"""The channel by which a counted loss reports its micro-batch's count.
+
+A loss that knows what its mean was taken over (samples, sum of sample
+weights, unmasked tokens: :class:`accum_optimizer.CountedLoss` for Keras 3)
+calls :func:`report_count` when it is computed; the next ``apply`` of an
+``AccumulatingOptimizer`` in the same train step (the same thread and the
+same graph: each replica of a ``tf.distribute`` strategy runs in its own
+thread) takes it with :func:`reported_count` as that micro-step's
+``weight``. No Keras import: every family can read it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import tensorflow as tf
+
+_pending = threading.local()
+
+
+def _graph() -> Any:
+    """The graph being built (``None`` when executing eagerly)."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.get_default_graph()
+
+
+def report_count(count: Any, loss_reduction: str, source: str) -> None:
+    """Record ``count`` (float32 scalar tensor) for this train step.
+
+    ``loss_reduction``: the reduction of the loss that computed it (the
+    optimizer checks that its own ``reduction`` fits); ``source``: the
+    loss's name, for messages. A second report in the same graph before an
+    optimizer took the first is remembered, and :func:`reported_count` then
+    raises: one window weight per micro-step cannot serve two losses with
+    different counts.
+    """
+    graph = _graph()
+    previous = getattr(_pending, "value", None)
+    sources = [source]
+    if previous is not None and previous["graph"] is graph:
+        sources = previous["sources"] + sources
+    _pending.value = {"graph": graph, "count": count, "reduction": loss_reduction, "sources": sources}
+
+
+def reported_count(reduction: str | None = None) -> Any:
+    """Take the count reported in this train step (see :func:`report_count`),
+    or ``None`` if there is none (or only one from another graph: a test
+    step's, or an earlier trace's).
+
+    ``reduction``: the optimizer's reduction. A count from a loss with
+    ``reduction="sum"`` is 1 per micro-step and fits only an optimizer that
+    sums (``reduction="sum"``).
+
+    Raises:
+        ValueError: more than one counted loss reported in this train step,
+            or a ``"sum"`` loss with a ``"mean"`` optimizer.
+    """
+    pending = getattr(_pending, "value", None)
+    if pending is None or pending["graph"] is not _graph():
+        return None
+    _pending.value = None
+    if len(pending["sources"]) > 1:
+        raise ValueError(
+            "More than one counted loss reported a micro-batch count in this "
+            f"train step ({', '.join(pending['sources'])}); a micro-step has one "
+            "count. Count one loss (the one whose reduction the large batch "
+            "uses), or pass `weight=` to apply() in a custom train step."
+        )
+    if reduction is not None and pending["reduction"] == "sum" and reduction != "sum":
+        raise ValueError(
+            f"The counted loss {pending['sources'][0]!r} sums over its micro-batch "
+            "(reduction='sum'): the large batch's loss is the sum over all its "
+            "samples, so the window must sum too. Use "
+            "AccumulatingOptimizer(..., reduction='sum'), or a mean-reduced loss."
+        )
+    return pending["count"]

@@ -1,0 +1,232 @@
+"""Keras 3 tools for windows that equal any large batch.
+
+* :class:`CountedLoss`: wraps a Keras loss; computes it exactly as Keras does
+  and reports the count its mean was taken over to the
+  ``AccumulatingOptimizer`` of the same train step, which weights the
+  micro-step by it. ``model.compile(loss=CountedLoss("sparse_categorical_crossentropy"))``.
+* :class:`FlushPartialWindow`: a callback that applies the partial window at
+  every epoch end (``AccumulatingOptimizer.flush``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+from keras.src.losses import loss as keras_loss  # Keras' own reduction helpers
+from keras.src.losses.losses import LossFunctionWrapper
+
+from accum_optimizer import counting
+
+_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
+
+
+@keras.saving.register_keras_serializable(package="accum_optimizer")
+class CountedLoss(keras.losses.Loss):
+    """A Keras loss that also reports its micro-batch's count ``c``.
+
+    ``CountedLoss(loss)`` returns exactly what ``loss`` returns (the same
+    ``call``, mask and ``sample_weight`` handling and reduction: Keras'
+    ``reduce_weighted_values``), and reports to the ``AccumulatingOptimizer``
+    of the same train step the count ``c`` that the mean was taken over, so
+    that the window applies ``Σ cᵢ·gᵢ / Σ cᵢ``: the gradient of the same
+    loss over the window's samples taken at once, whatever the micro-batch
+    sizes, masks and sample weights. The count follows from the loss's own
+    ``reduction`` (``keras/src/losses/loss.py``, Keras 3.15):
+
+    * ``"sum_over_batch_size"`` (Keras' default) and ``"mean"``: the number
+      of loss elements (samples, or samples × timesteps for per-token
+      losses); with a mask (``Embedding(mask_zero=True)``, ``Masking``), the
+      unmasked ones. Sample weights scale the terms, not the divisor, as in
+      Keras.
+    * ``"mean_with_sample_weight"``: the sum of the sample weights (times
+      the mask); without sample weights, the number of elements.
+    * ``"sum"``: 1 per micro-step; the optimizer must use
+      ``reduction="sum"`` (the window's gradient is then the sum over all
+      its samples, as the large batch's).
+
+    Args:
+        loss: a ``keras.losses.Loss`` instance, an identifier that
+            ``keras.losses.get`` resolves (``"mse"``,
+            ``"sparse_categorical_crossentropy"``) or a function
+            ``fn(y_true, y_pred) -> per-sample losses`` (then with
+            ``reduction``).
+        reduction: only for a function ``loss``: Keras' reduction, default
+            ``"sum_over_batch_size"``.
+        name: default: the inner loss's name.
+
+    One counted loss per model: with several outputs, count the one whose
+    reduction the large batch uses (two reports in one train step raise
+    ``ValueError`` at ``apply``). The count of a micro-batch under
+    ``tf.distribute`` is its replica's; the optimizer sums them over
+    replicas once per update.
+
+    Raises:
+        ValueError: ``reduction`` ``None``/``"none"`` (not a scalar loss) or
+            unknown; a ``"sum"`` loss with a ``"mean"`` optimizer (at
+            ``apply``).
+        TypeError: ``loss`` is not a loss, identifier or callable.
+    """
+
+    def __init__(self, loss: Any, reduction: str | None = None, name: str | None = None, dtype: Any = None):
+        inner = _resolve_loss(loss, reduction)
+        if inner.reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"CountedLoss needs a scalar loss reduction, one of {_REDUCTIONS}. "
+                f"Received {inner.name!r} with reduction={inner.reduction!r}."
+            )
+        super().__init__(name=name or inner.name, reduction=inner.reduction, dtype=dtype or inner.dtype)
+        self.inner_loss = inner
+
+    def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        # keras.losses.Loss.__call__ (Keras 3.15), with the count beside it.
+        in_mask = keras.backend.get_keras_mask(y_pred) if hasattr(keras.backend, "get_keras_mask") else getattr(y_pred, "_keras_mask", None)
+        inner = self.inner_loss
+        with keras.name_scope(self.name):
+            y_pred = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_pred)
+            y_true = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_true)
+            losses = inner.call(y_true, y_pred)
+            out_mask = getattr(losses, "_keras_mask", None)
+            if in_mask is not None and out_mask is not None:
+                mask = in_mask & out_mask
+            else:
+                mask = in_mask if in_mask is not None else out_mask
+            value = keras_loss.reduce_weighted_values(
+                losses, sample_weight=sample_weight, mask=mask, reduction=inner.reduction, dtype=inner.dtype
+            )
+            count = micro_batch_count(losses, sample_weight, mask, inner.reduction, inner.dtype)
+        counting.report_count(count, inner.reduction, self.name)
+        return value
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        return self.inner_loss.call(y_true, y_pred)
+
+    def get_config(self) -> dict:
+        return {"loss": keras.saving.serialize_keras_object(self.inner_loss), "name": self.name}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "CountedLoss":
+        config = dict(config)
+        config["loss"] = keras.saving.deserialize_keras_object(config["loss"])
+        return cls(**config)
+
+
+def micro_batch_count(losses: Any, sample_weight: Any, mask: Any, reduction: str, dtype: Any) -> Any:
+    """float32 scalar: the count ``c`` of one micro-batch, such that Keras'
+    reduced loss is ``Σ(terms) / c`` (see :class:`CountedLoss`); 0 for a
+    micro-batch whose every element is masked (Keras' loss is then 0,
+    ``divide_no_nan``). Mirrors ``reduce_weighted_values``: the same mask
+    merge (``apply_mask``) and rank alignment
+    (``squeeze_or_expand_to_same_rank``) decide the shape it divides by."""
+    if reduction == "sum":
+        return ops.convert_to_tensor(1.0, "float32")
+    values = ops.convert_to_tensor(losses, dtype=dtype)
+    weights = None if sample_weight is None else ops.convert_to_tensor(sample_weight, dtype=dtype)
+    weights = keras_loss.apply_mask(weights, mask, dtype=values.dtype, reduction=reduction)
+    if weights is not None:
+        weights = ops.cast(weights, values.dtype)
+        values, weights = keras_loss.squeeze_or_expand_to_same_rank(values, weights)
+        values = values * weights
+    elements = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32")), "float32")
+    if reduction == "mean_with_sample_weight":
+        count = elements if weights is None else ops.cast(ops.sum(weights * ops.ones_like(values)), "float32")
+    elif mask is not None:
+        # Keras weighs valid entries by total / valid: the divisor of their
+        # sum is `elements * valid / total`, `valid` when the mask has the
+        # losses' shape.
+        total = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(mask), dtype="int32")), "float32")
+        valid = ops.sum(ops.cast(ops.cast(mask, "bool"), "float32"))
+        count = ops.where(ops.equal(total, elements), valid, elements * valid / total)
+    else:
+        count = elements
+    return ops.stop_gradient(count)
+
+
+def _resolve_loss(loss: Any, reduction: str | None) -> keras.losses.Loss:
+    if isinstance(loss, keras.losses.Loss):
+        if reduction is not None and reduction != loss.reduction:
+            raise ValueError(
+                f"CountedLoss: `reduction` is only for a loss function; {loss.name!r} "
+                f"has reduction={loss.reduction!r} (received reduction={reduction!r})."
+            )
+        return loss
+    if isinstance(loss, (str, dict)):
+        resolved = keras.losses.get(loss)
+        if isinstance(resolved, keras.losses.Loss):
+            return resolved
+        loss = resolved
+    if callable(loss):
+        return LossFunctionWrapper(
+            loss, reduction=reduction or "sum_over_batch_size", name=getattr(loss, "__name__", None)
+        )
+    raise TypeError(
+        "CountedLoss(loss): `loss` must be a keras.losses.Loss, an identifier "
+        f"keras.losses.get resolves, or a function. Received {loss!r}."
+    )
+
+
+class FlushPartialWindow(keras.callbacks.Callback):
+    """Apply the partial window at the end of every epoch, so that each
+    epoch ends on an update (``AccumulatingOptimizer.flush``).
+
+    ``model.fit(x, y, batch_size=B, callbacks=[FlushPartialWindow()])`` with
+    an ``AccumulatingOptimizer`` of N trains like ``fit(x, y,
+    batch_size=N*B)``: each epoch's last window, of fewer than N
+    micro-batches, is applied normalised by what it holds, as the large
+    batch's smaller last batch is. Without it the partial window carries
+    over into the next epoch (the default).
+
+    When ``fit`` validates, the flush happens before validation
+    (``on_test_begin``), so the epoch's validation sees the weights the
+    large batch would have; otherwise at ``on_epoch_end``. Put it before
+    callbacks that read the weights at epoch end (``ModelCheckpoint``,
+    ``BackupAndRestore``): Keras runs callbacks in list order.
+
+    Finds the ``AccumulatingOptimizer`` as ``model.optimizer`` or its
+    ``inner_optimizer`` (a ``LossScaleOptimizer`` around it, as ``compile``
+    adds under ``"mixed_float16"``).
+
+    Raises:
+        ValueError: (at ``on_train_begin``) the model's optimizer has no
+            ``AccumulatingOptimizer``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_fit = False
+        self._flushed = False
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._optimizer()
+        self._in_fit = True
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._in_fit = False
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._flushed = False
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        if self._in_fit:
+            self._flush()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        if not self._flushed:
+            self._flushed = True
+            self._optimizer().flush()
+
+    def _optimizer(self) -> Any:
+        from accum_optimizer.families.keras3 import AccumulatingOptimizer
+
+        opt = self.model.optimizer
+        for candidate in (opt, getattr(opt, "inner_optimizer", None)):
+            if isinstance(candidate, AccumulatingOptimizer):
+                return candidate
+        raise ValueError(
+            "FlushPartialWindow needs a model compiled with an AccumulatingOptimizer "
+            f"(or a LossScaleOptimizer around one). The model's optimizer is {opt!r}."
+        )
