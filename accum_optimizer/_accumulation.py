@@ -7,17 +7,26 @@ assign-add, scatter-update and branch in its world) and a function that calls
 its inner optimizer once, and calls :func:`micro_step`. The whole algorithm is
 :func:`micro_step`; one call is one micro-step:
 
-1. ``acc_grads[i] += grads[i]`` for every gradient that is not ``None`` (a
-   scatter-add for ``tf.IndexedSlices``, never a densification), and
+1. ``acc_grads[i] += c * grads[i]`` for every gradient that is not ``None``
+   (a scatter-add for ``tf.IndexedSlices``, never a densification; ``c`` is
+   the micro-step's ``weight``, its count, and without one there is no
+   multiplication), ``window_weight += c`` (1 without a weight), and
    ``grad_received[i] = 1`` for those variables. Where the family tracks
    touched rows, ``touched_rows[i][indices] = 1``.
-2. ``micro_steps += 1``.
-3. If ``micro_steps % gradient_accumulation_steps == 0`` (the last micro-step
-   of a window): call the inner optimizer once with the window's gradient
-   (:func:`window_gradient`: the sum, divided by N for ``"mean"``), gated per
-   variable by ``grad_received``, then zero the accumulators and
-   ``grad_received``. Otherwise nothing else happens: the model weights and
-   every variable of the inner optimizer stay bitwise untouched.
+2. ``micro_steps += 1`` and ``mini_step += 1`` (the window's position).
+3. If ``mini_step`` reaches the window's N (an int, or the schedule's N for
+   the window's first update, :func:`window_length`): :func:`close_window`
+   calls the inner optimizer once with the window's gradient
+   (:func:`window_gradient`: ``Σ cᵢ·gᵢ / Σ cᵢ`` for ``"mean"``, which is the
+   sum divided by N when no weights are given; the sum for ``"sum"``), gated
+   per variable by ``grad_received``, then zeroes the accumulators,
+   ``window_weight``, ``mini_step`` and ``grad_received``. Otherwise nothing
+   else happens: the model weights and every variable of the inner
+   optimizer stay bitwise untouched.
+
+:func:`flush` runs step 3 on a partial window (normalised by its own
+``Σ cᵢ``, never by N). A window whose counts sum to 0 is discarded instead of
+applied (the inner optimizer is not called).
 
 Every write of a micro-step (steps 1-3) waits for that micro-step's gradients
 (a control dependency on them). Without it, a traced step whose input
@@ -43,9 +52,11 @@ dtype when it is added, and the window gradient is cast to the variable's
 dtype once, after the division by N (:attr:`WindowState.variable_dtypes`).
 
 State names follow optax's ``MultiSteps``: ``acc_grads`` are the accumulator
-slots, ``micro_steps`` counts micro-steps (optax's ``mini_step`` is
-``micro_steps % gradient_accumulation_steps``), and the inner optimizer's
-``iterations`` counts updates (optax's ``gradient_step``).
+slots, ``mini_step`` is the window's position, ``micro_steps`` counts all
+micro-steps, and the inner optimizer's ``iterations`` counts updates
+(optax's ``gradient_step``). A family that does not keep ``mini_step`` and
+``window_weight`` (``None`` in its :class:`WindowState`) gets the unweighted
+window of ``micro_steps % N`` and no flush.
 
 All families run on TensorFlow, so the arithmetic here is ``tf``; what
 "assign" and "cond" mean (Keras 3 variables in a ``tf.function``, TF1 graph

@@ -164,3 +164,6 @@ def register_active_families() -> None:
     for family in FAMILIES:
         if family.module in wanted:
             family.wrapper()
+    if "keras3" in wanted:
+        # CountedLoss, registered for load_model of a model compiled with it.
+        importlib.import_module("accum_optimizer.families.keras3_windows")

@@ -16,6 +16,14 @@ matches the reference to float32 rounding, both the live weights and the EMA.
 Keras' built-in accumulation advances the schedule and the EMA once per
 *micro-step*, so run 3 drifts away from the reference.
 
+``--all-samples`` keeps every training sample (1,347; B = 16 does not
+divide it, nor does 128): each epoch ends on a micro-batch of 3 samples and
+a partial window of 5 micro-batches, and the reference's last batch has 67
+samples. A fourth run, ``exact``, then trains with
+``CountedLoss`` (each micro-step weighted by its sample count) and
+``FlushPartialWindow`` (each epoch ends on an update) and matches the
+reference; ``accum`` (plain mean, partial window carried over) does not.
+
 Each run trains in a fresh subprocess of this script (hidden ``--run`` mode) so
 that its peak memory can be measured on its own; it writes its weights (after
 every epoch and at the end) and its figures to the output folder, where the
@@ -23,7 +31,7 @@ parent compares them, prints a table, and writes ``loss_curves.png`` and
 ``results.json``. The exit status is 1 if run 2 differs from the reference by
 more than ``--tolerance``.
 
-    python examples/digits_demo.py [--epochs 5] [--micro-batch 16] [--steps 8]
+    python examples/digits_demo.py [--epochs 5] [--micro-batch 16] [--steps 8] [--all-samples]
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ RUNS = {
     "reference": "batch {batch}, plain AdamW",
     "accum": "micro-batch {micro} x {steps}, AccumulatingOptimizer",
     "keras": "micro-batch {micro} x {steps}, Keras built-in accumulation",
+    "exact": "micro-batch {micro} x {steps}, AccumulatingOptimizer + CountedLoss + FlushPartialWindow",
 }
+DEFAULT_RUNS = ("reference", "accum", "keras")
 SEED = 1234
 PEAK_LR, WEIGHT_DECAY, EMA_MOMENTUM = 3e-3, 1e-2, 0.9
 
@@ -71,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest max-abs weight difference (float32) allowed "
                    "between the AccumulatingOptimizer run and the reference; "
                    "beyond it the demo exits with status 1")
+    p.add_argument("--all-samples", action="store_true",
+                   help="keep all training samples (the batch sizes do not divide them) "
+                        "and add the run 'exact': CountedLoss + FlushPartialWindow")
     p.add_argument("--run", choices=sorted(RUNS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for flag, value, low, why in [
@@ -105,10 +118,10 @@ def import_tf():
     return tf, keras
 
 
-def load_data(batch: int):
+def load_data(batch: int, all_samples: bool = False):
     """Digits scaled to [0, 1] as (8, 8, 1) float32; a fixed stratified split,
     training set cut to a multiple of ``batch`` so each large batch is exactly
-    ``steps`` micro-batches."""
+    ``steps`` micro-batches (unless ``all_samples``)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -117,7 +130,7 @@ def load_data(batch: int):
     y = digits.target.astype("int32")
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=0.25, random_state=0, stratify=y)
-    n = len(x_tr) // batch * batch
+    n = len(x_tr) if all_samples else len(x_tr) // batch * batch
     if n == 0:
         raise SystemExit(f"Reference batch {batch} exceeds the {len(x_tr)} training samples.")
     return x_tr[:n], y_tr[:n], x_te, y_te
@@ -149,7 +162,7 @@ def make_optimizer(run: str, total_updates: int, steps: int):
               use_ema=True, ema_momentum=EMA_MOMENTUM)
     if run == "reference":
         return keras.optimizers.AdamW(**kw)
-    if run == "accum":
+    if run in ("accum", "exact"):
         return AccumulatingOptimizer(keras.optimizers.AdamW(**kw), gradient_accumulation_steps=steps)
     return keras.optimizers.AdamW(**kw, gradient_accumulation_steps=steps)
 
@@ -170,16 +183,20 @@ def child(args: argparse.Namespace) -> None:
     keras.utils.set_random_seed(SEED)
     tf.config.experimental.enable_op_determinism()
     batch = args.micro_batch * args.steps
-    x_tr, y_tr, x_te, y_te = load_data(batch)
+    x_tr, y_tr, x_te, y_te = load_data(batch, args.all_samples)
     fit_batch = batch if args.run == "reference" else args.micro_batch
-    total_updates = args.epochs * len(x_tr) // batch
+    total_updates = args.epochs * -(-len(x_tr) // batch)  # the reference's updates
 
     model = build_model()
     with np.load(args.out / "initial_weights.npz") as init:
         model.set_weights([init[f"w{i}"] for i in range(len(init.files))])
     opt = make_optimizer(args.run, total_updates, args.steps)
-    model.compile(optimizer=opt, jit_compile=False, metrics=["accuracy"],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if args.run == "exact":
+        from accum_optimizer import CountedLoss
+
+        loss = CountedLoss(loss)  # each micro-step weighted by its sample count
+    model.compile(optimizer=opt, jit_compile=False, metrics=["accuracy"], loss=loss)
 
     epoch_weights, epoch_lr = [], []  # live (non-EMA) weights, LR after every epoch
 
@@ -187,7 +204,11 @@ def child(args: argparse.Namespace) -> None:
         epoch_weights.append(model.get_weights())
         epoch_lr.append(float(keras.ops.convert_to_numpy(opt.learning_rate)))
 
-    keep = keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)
+    callbacks = [keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)]
+    if args.run == "exact":
+        from accum_optimizer import FlushPartialWindow
+
+        callbacks.insert(0, FlushPartialWindow())  # before the weights are recorded
     gpu = bool(tf.config.list_physical_devices("GPU"))
     if gpu:
         tf.config.experimental.reset_memory_stats("GPU:0")
@@ -196,7 +217,7 @@ def child(args: argparse.Namespace) -> None:
         batch=batch, micro=args.micro_batch, steps=args.steps), flush=True)
     t0 = time.perf_counter()
     history = model.fit(x_tr, y_tr, batch_size=fit_batch, epochs=args.epochs,
-                        shuffle=False, callbacks=[keep])  # ends with the EMA weights
+                        shuffle=False, callbacks=callbacks)  # ends with the EMA weights
     seconds = time.perf_counter() - t0
     if gpu:
         peak = tf.config.experimental.get_memory_info("GPU:0")["peak"]
@@ -236,7 +257,7 @@ def plot(results: dict, epochs: int, title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     style = {"reference": ("k", "-", "o"), "accum": ("tab:blue", "--", "x"),
-             "keras": ("tab:red", ":", "s")}
+             "keras": ("tab:red", ":", "s"), "exact": ("tab:green", "-.", "+")}
     xs = list(range(1, epochs + 1))
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
     for run, r in results.items():
@@ -274,18 +295,22 @@ def main() -> None:
     tf, keras = import_tf()
 
     batch = args.micro_batch * args.steps
-    n_train = len(load_data(batch)[0])
+    n_train = len(load_data(batch, args.all_samples)[0])
     print(f"TF {tf.__version__}, Keras {keras.__version__}; {n_train} training "
-          f"samples, {n_train // batch} updates per epoch, {args.epochs} epochs.")
+          f"samples, {-(-n_train // batch)} reference updates per epoch, {args.epochs} epochs.")
     keras.utils.set_random_seed(SEED)  # one initialisation shared by all runs
     np.savez(args.out / "initial_weights.npz",
              **{f"w{i}": w for i, w in enumerate(build_model().get_weights())})
 
     results = {}
-    for run in RUNS:
+    runs = list(DEFAULT_RUNS) + (["exact"] if args.all_samples else [])
+    checked = "exact" if args.all_samples else "accum"
+    for run in runs:
         cmd = [sys.executable, os.path.abspath(__file__), "--run", run,
                "--epochs", str(args.epochs), "--micro-batch", str(args.micro_batch),
                "--steps", str(args.steps), "--out", str(args.out)]
+        if args.all_samples:
+            cmd.append("--all-samples")
         sys.stdout.flush()
         if subprocess.run(cmd).returncode != 0:
             raise SystemExit(f"Run {run!r} failed (command: {' '.join(cmd)}).")
@@ -320,11 +345,12 @@ def main() -> None:
     png = args.out / "loss_curves.png"
     plot(results, args.epochs, f"Digits CNN, AdamW + warmup/cosine LR + weight decay + EMA: "
          f"batch {batch} vs {args.steps} x {args.micro_batch} accumulated", png)
-    drift = max(results["accum"]["max_abs_diff_final_ema"], results["accum"]["max_abs_diff_live"])
+    drift = max(results[checked]["max_abs_diff_final_ema"], results[checked]["max_abs_diff_live"])
     summary = {
         "tensorflow": tf.__version__, "keras": keras.__version__,
         "epochs": args.epochs, "micro_batch": args.micro_batch, "steps": args.steps,
         "reference_batch": batch, "train_samples": n_train, "tolerance": args.tolerance,
+        "all_samples": args.all_samples, "checked_run": checked,
         "accum_max_abs_diff": drift, "passed": drift <= args.tolerance,
         "total_seconds": time.perf_counter() - t_start, "runs": results,
     }
@@ -333,10 +359,14 @@ def main() -> None:
     print(f"Total time: {summary['total_seconds']:.1f} s")
     if drift > args.tolerance:
         raise SystemExit(
-            f"FAIL: AccumulatingOptimizer drifted from the reference by {drift:.3e} "
+            f"FAIL: run {checked!r} drifted from the reference by {drift:.3e} "
             f"(max abs weight difference) > --tolerance {args.tolerance:g}.")
-    print(f"OK: AccumulatingOptimizer matches the reference within {args.tolerance:g} "
-          f"(max abs weight difference {drift:.2e}); Keras' built-in accumulation "
+    extra = ""
+    if args.all_samples:
+        extra = (f"; without CountedLoss + FlushPartialWindow ('accum') it differs by "
+                 f"{results['accum']['max_abs_diff_final_ema']:.2e}")
+    print(f"OK: run {checked!r} matches the reference within {args.tolerance:g} "
+          f"(max abs weight difference {drift:.2e}){extra}; Keras' built-in accumulation "
           f"differs by {results['keras']['max_abs_diff_final_ema']:.2e}.")
 
 

@@ -142,9 +142,19 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             schedules see update counts.
         gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
             micro-steps per update. ``1`` is a pass-through to the inner
-            optimizer (no accumulator slots are created).
-        reduction: ``"mean"`` (default) applies ``sum / N``, equivalent to the
-            large batch for a mean-reduced loss; ``"sum"`` applies the sum.
+            optimizer (no accumulator slots are created). Or a schedule over
+            updates: a dict ``{first_update: N, ...}`` (piecewise constant;
+            int keys strictly ascending from 0, serializable with
+            ``get_config``) or a callable ``update_index -> N`` (it gets the
+            update index as an int64 scalar tensor and returns an int or an
+            int scalar tensor >= 1; ``get_config`` needs it to be a
+            registered Keras object). A window that starts at update ``u``
+            has ``N(u)`` micro-steps (Lightning's
+            ``GradientAccumulationScheduler``, optax's ``every_k_schedule``).
+        reduction: ``"mean"`` (default) applies ``Σ cᵢ·gᵢ / Σ cᵢ`` over the
+            window's micro-steps, ``cᵢ`` their ``weight`` (1 without one:
+            ``sum / N``), equivalent to the large batch for a mean-reduced
+            loss; ``"sum"`` applies ``Σ cᵢ·gᵢ``.
         nonfinite: what a micro-step whose gradients are not all finite (NaN
             or Inf in any variable's gradient) does to its window:
 
@@ -192,8 +202,14 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     state):
         ``micro_steps``: int64 scalar, micro-steps taken (units: micro-steps).
         ``iterations``: the inner optimizer's int64 counter, i.e. updates
-            taken (units: updates). After ``m`` micro-steps,
+            taken (units: updates), flushed ones included. After ``m``
+            micro-steps with a constant N and no flush,
             ``iterations == m // N`` and ``micro_steps == m``.
+        ``mini_step``: int64 scalar, micro-steps in the current window (its
+            position; optax's ``mini_step``). The window closes when it
+            reaches N; assign it to move the update step.
+        ``window_weight``: float32 scalar, the current window's ``Σ cᵢ``
+            (``ON_READ``, summed over replicas, like the accumulators).
         ``acc_grads``: accumulator slots, shape and dtype of each trainable
             variable. Under ``tf.distribute`` they are ``ON_READ`` variables
             (each replica keeps its local sum; reading them in cross-replica
