@@ -73,6 +73,8 @@ from typing import Any, Callable, Protocol, Sequence
 import tensorflow as tf
 
 REDUCTIONS = ("mean", "sum")
+LOCAL_COUNT = object()
+"""``apply_window``'s divisor: this replica's ``window_weight``."""
 NONFINITE_POLICIES = ("propagate", "skip_micro_step", "skip_window")
 
 
@@ -479,6 +481,7 @@ def micro_step(
     finite: Any = None,
     weight: Any = None,
     replicas: int = 1,
+    weighted: bool | None = None,
 ) -> Any:
     """One micro-step: accumulate, count, and on a window's last micro-step update.
 
@@ -527,6 +530,9 @@ def micro_step(
             not divide. Needs ``state.window_weight``.
         replicas: the number of replicas in sync (the normaliser's divisor,
             see :func:`close_window`).
+        weighted: whether the window's counts may differ between replicas
+            (the adapter has seen a weight: see :func:`close_window`);
+            default: ``weight is not None``.
 
     Returns:
         What ``backend.cond`` returns (an op for TF1 graph code).
@@ -561,7 +567,8 @@ def micro_step(
             return backend.cond(
                 closes,
                 lambda: close_window(backend, state, sparse, mask, apply_inner, gradient_accumulation_steps,
-                                     reduction, each_replica, nonfinite, replicas),
+                                     reduction, each_replica, nonfinite, replicas,
+                                     weight is not None if weighted is None else weighted),
                 _noop,
             )
 
@@ -575,6 +582,7 @@ def flush(
     *,
     nonfinite: str = "propagate",
     replicas: int = 1,
+    weighted: bool = True,
 ) -> Any:
     """Apply the current, partial window now, if it holds a micro-step.
 
@@ -598,7 +606,7 @@ def flush(
     return backend.cond(
         holds,
         lambda: close_window(backend, state, sparse, mask, apply_inner, None, reduction, each_replica,
-                             nonfinite, replicas),
+                             nonfinite, replicas, weighted),
         _noop,
     )
 
@@ -614,19 +622,25 @@ def close_window(
     each_replica: Callable[..., Any],
     nonfinite: str,
     replicas: int,
+    weighted: bool = True,
 ) -> Any:
     """The end of a window: one inner update with the window gradient, or,
     for a window marked non-finite (``"skip_window"``) or whose counts sum to
     0, a discard (accumulators zeroed, the inner optimizer not called).
 
-    The normaliser of ``"mean"``: ``window_weight`` summed over replicas,
-    divided by ``replicas`` (each replica's gradient is already its mean
-    loss's divided by the replica count, Keras' convention), read once per
-    update: one scalar reduction under a multi-replica strategy. Without
+    The normaliser of ``"mean"``, ``weighted`` (counts may differ between
+    replicas): ``window_weight`` summed over replicas, divided by
+    ``replicas`` (each replica's gradient is already its mean loss's divided
+    by the replica count, Keras' convention), read once per update: one
+    scalar reduction under a multi-replica strategy. Not ``weighted`` (every
+    micro-step counted 1 on every replica): each replica's own
+    ``window_weight``, the window's micro-steps, with no reduction. Without
     ``window_weight``: N (``gradient_accumulation_steps``, an int).
     """
     if state.window_weight is None:
         divisor, total = gradient_accumulation_steps, None
+    elif not weighted:
+        divisor, total = LOCAL_COUNT, None
     else:
         total = tf.convert_to_tensor(state.window_weight)
         divisor = total / tf.cast(replicas, total.dtype) if replicas != 1 else total
@@ -734,6 +748,14 @@ def accumulate(backend: Backend, state: WindowState, grads: Sequence[Any], weigh
     sums 16-bit gradients exactly; no multiplication without a weight),
     ``window_weight += weight`` (1 without one), and mark the rows each
     gradient touched where rows are tracked."""
+    # The writes wait for this replica's gradients here too: under
+    # tf.distribute this runs in each replica's thread, outside the caller's
+    # control-dependency scope, and the count has no data dependency on them.
+    with tf.control_dependencies(gradient_tensors(list(grads) + [weight])):
+        return _accumulate(backend, state, grads, weight)
+
+
+def _accumulate(backend: Backend, state: WindowState, grads: Sequence[Any], weight: Any) -> list:
     done = []
     if state.window_weight is not None:
         count = tf.constant(1.0, state.window_weight.dtype) if weight is None else tf.cast(weight, state.window_weight.dtype)
@@ -869,6 +891,8 @@ def apply_window(
     float scalar tensor), then the accumulators zeroed."""
     rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
     dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
+    if divisor is LOCAL_COUNT:
+        divisor = tf.convert_to_tensor(state.window_weight)  # this replica's
     window = [
         cast_to(window_gradient(acc, divisor, reduction, r), dtype)
         for acc, r, dtype in zip(state.acc_grads, rows, dtypes)

@@ -408,10 +408,10 @@ def test_saved_optimizer_state_is_accumulators_counters_and_inner_state_only(fit
     assert [id(v) for v in opt.variables] == [id(v) for v in expected_vars]
 
     # In the file: the plain AdamW's state + micro_steps + grad_received + one
-    # accumulator per trainable variable.
+    # accumulator per trainable variable + mini_step + window_weight.
     saved = sorted(h5_datasets(fit_runs.weights_file, "optimizer/vars").values())
     plain = list(h5_datasets(fit_runs.plain_weights_file, "optimizer/vars").values())
-    own = [((), "int64"), ((len(model.trainable_variables),), "int64")]
+    own = [((), "int64"), ((len(model.trainable_variables),), "int64"), ((), "int64"), ((), "float32")]
     acc = [(tuple(v.shape), "float32") for v in model.trainable_variables]
     assert saved == sorted(plain + own + acc)
 

@@ -926,6 +926,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def _micro_step(
         self, grads: list, each_replica: Any = None, all_replicas: Any = None, finite: Any = None, weight: Any = None
     ) -> None:
+        replicas = _replicas_in_sync()
         acc_lib.micro_step(
             _KerasBackend(self),
             self._window_state(),
@@ -938,8 +939,32 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             all_replicas=all_replicas,
             finite=finite,
             weight=weight,
-            replicas=_replicas_in_sync(),
+            replicas=replicas,
+            weighted=self._weighted(weight, replicas),
         )
+
+    def _weighted(self, weight: Any, replicas: int) -> bool:
+        """Trace-time: may this window's counts differ between replicas?
+        Once any micro-step is traced with a weight, every window closed
+        afterwards sums the counts over replicas (one scalar reduction per
+        update); before, each replica divides by its own micro-step count,
+        with no reduction. A traced close of the second kind that later
+        meets weighted micro-steps would divide wrongly under a
+        multi-replica strategy, so that order raises."""
+        if weight is not None and not self.__dict__.get("_weights_seen"):
+            if replicas > 1 and self.__dict__.get("_unweighted_close_traced"):
+                raise ValueError(
+                    "AccumulatingOptimizer got a weighted micro-step (weight= or a "
+                    "CountedLoss) after a train step without weights was traced "
+                    f"under a {replicas}-replica strategy; that step's update would "
+                    "normalise by the micro-step count. Use weights in every train "
+                    "step of this optimizer (weight=1 counts like none)."
+                )
+            object.__setattr__(self, "_weights_seen", True)
+        weighted = bool(self.__dict__.get("_weights_seen"))
+        if not weighted:
+            object.__setattr__(self, "_unweighted_close_traced", True)
+        return weighted
 
     # --------------------------------------------------------- partial window
     def flush(self) -> None:
@@ -1005,6 +1030,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             each_replica,
             nonfinite=self.nonfinite,
             replicas=_replicas_in_sync(),
+            weighted=bool(self.__dict__.get("_weights_seen")),
         )
 
     def _apply_inner(self, window_grads: list, gates: dict) -> None:
