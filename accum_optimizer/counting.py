@@ -26,6 +26,17 @@ def _graph() -> Any:
     return tf.compat.v1.get_default_graph()
 
 
+def _graphs() -> list:
+    """The graph being built and the graphs it is nested in (a
+    ``LossScaleOptimizer`` applies inside a ``cond`` branch, whose graph is
+    inside the train step's, where the loss reported)."""
+    graph, chain = _graph(), []
+    while graph is not None:
+        chain.append(graph)
+        graph = getattr(graph, "outer_graph", None)
+    return chain or [None]
+
+
 def report_count(count: Any, loss_reduction: str, source: str) -> None:
     """Record ``count`` (float32 scalar tensor) for this train step.
 
@@ -58,7 +69,7 @@ def reported_count(reduction: str | None = None) -> Any:
             or a ``"sum"`` loss with a ``"mean"`` optimizer.
     """
     pending = getattr(_pending, "value", None)
-    if pending is None or pending["graph"] is not _graph():
+    if pending is None or not any(pending["graph"] is g for g in _graphs()):
         return None
     _pending.value = None
     if len(pending["sources"]) > 1:

@@ -322,6 +322,26 @@ def test_masked_tokens_under_mirrored_strategy_equal_the_single_device_large_bat
     assert max_abs_diff(weights(ref), weights(model)) <= 1e-5
 
 
+def test_counts_reach_the_optimizer_through_the_loss_scale_optimizer_of_mixed_float16():
+    """compile under "mixed_float16" puts a LossScaleOptimizer outside, which
+    applies inside a cond branch: the count still arrives. 10 samples, B = 4,
+    N = 4: after the epoch's 3 micro-batches (4, 4, 2) the window's count is
+    10 (it would be 3 without the counts)."""
+    x, y = make_data(10)
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = make_mlp(0, dtype=None)
+        opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), gradient_accumulation_steps=4)
+        model.compile(opt, CountedLoss("mse"))
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert int(opt.mini_step.numpy()) == 3
+    assert float(opt.window_weight.numpy()) == 10.0
+
+
 # -------------------------------------------------------- 2. partial window
 def test_flush_at_epoch_end_equals_fit_with_the_large_batch_every_epoch():
     """10 samples, N = 3, B = 2 (5 micro-batches per epoch: windows of 3 and
