@@ -147,6 +147,14 @@ class WindowState:
         updates: the inner optimizer's ``iterations`` (int64 scalar, units:
             updates), read by a schedule to pick the window's N. Needed for
             a schedule only.
+        sparse_update: per variable, what a sparse window (a tracked
+            variable whose closing gradient is ``tf.IndexedSlices`` or
+            ``None``, :func:`sparse_window`) hands the inner optimizer:
+            ``True``, ``tf.IndexedSlices`` over the touched rows (for inner
+            optimizers that keep them sparse); ``False``, the dense window
+            gradient (for inner optimizers that would densify the slices
+            themselves), the touched rows only being zeroed afterwards either
+            way. ``None`` (default): ``True`` for every variable.
     """
 
     acc_grads: Sequence[Any]
@@ -160,9 +168,15 @@ class WindowState:
     mini_step: Any = None
     window_weight: Any = None
     updates: Any = None
+    sparse_update: Sequence[bool] | None = None
 
     def rows_tracker(self, i: int) -> Any:
         return None if self.touched_rows is None else self.touched_rows[i]
+
+    def hands_sparse(self, i: int) -> bool:
+        """Does a sparse window of variable ``i`` reach the inner optimizer
+        as ``tf.IndexedSlices`` (else: dense, see :attr:`sparse_update`)?"""
+        return True if self.sparse_update is None else bool(self.sparse_update[i])
 
 
 # ------------------------------------------------------------------ checks
@@ -888,14 +902,18 @@ def apply_window(
 ) -> list:
     """Step 3 (in each replica): the inner update with the window's
     gradients (``"mean"``: the sums divided by ``divisor``, an int N or a
-    float scalar tensor), then the accumulators zeroed."""
+    float scalar tensor), then the accumulators zeroed (only the touched rows
+    of a sparse window, whether it reached the inner optimizer as
+    ``tf.IndexedSlices`` or, where :meth:`WindowState.hands_sparse` is false,
+    dense)."""
     rows = [touched_rows(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
+    handed = [r if r is not None and state.hands_sparse(i) else None for i, r in enumerate(rows)]
     dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
     if divisor is LOCAL_COUNT:
         divisor = tf.convert_to_tensor(state.window_weight)  # this replica's
     window = [
         cast_to(window_gradient(acc, divisor, reduction, r), dtype)
-        for acc, r, dtype in zip(state.acc_grads, rows, dtypes)
+        for acc, r, dtype in zip(state.acc_grads, handed, dtypes)
     ]
     gates = {i: tf.greater(state.grad_received[i], 0) for i, m in enumerate(mask) if not m}
     applied = apply_inner(window, gates)

@@ -226,12 +226,34 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             ``iterations == micro_steps // N - skipped_windows``.
         ``window_poisoned`` (``"skip_window"`` only): int64 scalar, 1 while
             the current window has had a non-finite micro-step.
+        ``touched_rows``: one row tracker per trainable variable of rank
+            >= 1: float16 ``(shape[0],)``, > 0 at the rows that sparse
+            gradients touched in the current window; 2 bytes per row of the
+            first axis (an ``Embedding(V, D)`` table of float32: ``2 V``
+            bytes next to its ``4 V D``-byte accumulator, 1/(2 D)).
+            Replica-local (``ON_READ``) like the accumulators. Saved last;
+            state saved without them (by earlier versions) restores with every row
+            whose accumulator is non-zero marked.
 
     Missing gradients: a ``None`` gradient contributes nothing on that
     micro-step; a variable with no gradient in the whole window is not
     updated (neither its weight, its slots, nor its weight decay), as in
-    large-batch training. Sparse ``tf.IndexedSlices`` gradients are
-    scatter-added into the slots, never densified per micro-step.
+    large-batch training.
+
+    Sparse gradients: ``tf.IndexedSlices`` (from ``Embedding``) are
+    scatter-added into the slots, never densified per micro-step, and their
+    rows are marked in the variable's tracker. When the window closes on a
+    sparse gradient (or on none), the update costs O(rows touched) where the
+    inner optimizer allows it: plain ``SGD`` (``momentum=0``) gets the window
+    gradient as ``tf.IndexedSlices`` over the touched rows, each once (their
+    sum, /N for ``"mean"``), and applies it as a scatter. Every other inner
+    optimizer (``SGD`` with momentum, Adam, Adagrad, Ftrl, RMSprop, ...)
+    would densify the slices itself, so it gets the dense window gradient,
+    as before. Either way only the touched rows of the accumulator are
+    zeroed afterwards. A variable whose gradient on the closing micro-step
+    is dense (a tied embedding, used for the lookup and as the output
+    projection, gets one dense gradient per micro-step) takes the dense path
+    for that window.
 
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras 3 optimizer, or
@@ -307,6 +329,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         object.__setattr__(self, "_flush_function", None)
         self.mini_step = None
         self.window_weight = None
+        # Row trackers (see `_add_row_tracker`) and, by build-order index, the
+        # variables seen with a `tf.IndexedSlices` gradient in a traced step.
+        self.touched_rows = []
+        object.__setattr__(self, "_rows_by_index", [])
+        object.__setattr__(self, "_tracker_variables", [])
+        object.__setattr__(self, "_sparse_seen", set())
         object.__setattr__(self, "_outer_ref", None)
         # Like Keras' `iterations`, the micro-step counter exists before
         # `build`, so that restoring it (load_weights before the first step)
@@ -380,6 +408,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     name="grad_received",
                 )
                 self.acc_grads = [self._add_accumulator(v) for v in var_list]
+                # Saved after everything else (see `variables`).
+                trackers = [self._add_row_tracker(v) for v in var_list]
+                object.__setattr__(self, "_rows_by_index", trackers)
+                self.touched_rows = [t for t in trackers if t is not None]  # (tracked for checkpoints)
+                object.__setattr__(self, "_tracker_variables", list(self.touched_rows))
             else:
                 self.grad_received = None
                 self.acc_grads = []
@@ -534,6 +567,33 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._track_variable(variable)
         return variable
 
+    def _add_row_tracker(self, reference: Any) -> Any:
+        """A row tracker for a variable of rank >= 1 (else ``None``): a
+        replica-local (``ON_READ``, summed on read) float16 vector of shape
+        ``(reference.shape[0],)``, > 0 at the rows that sparse gradients
+        touched in the current window (2 bytes per row of the first axis).
+
+        float16, as in the legacy family: restoring a summed ``ON_READ``
+        variable divides the saved sum by the replica count, which turns an
+        integer mark of 1 into 0 but a float16 one into 0.5 (still a mark).
+        """
+        if len(reference.shape) < 1:
+            return None
+        name = f"{_path(reference).replace('/', '_').replace(':', '_')}_touched_rows"
+        with self._colocate_with(reference):
+            variable = keras.Variable(
+                initializer=keras.initializers.Zeros(),
+                shape=tuple(reference.shape[:1]),
+                dtype="float16",
+                trainable=False,
+                autocast=False,
+                aggregation="sum",
+                synchronization="on_read",
+                name=name,
+            )
+        self._track_variable(variable)
+        return variable
+
     def _colocate_with(self, reference: Any):
         strategy = getattr(self, "_distribution_strategy", None)
         if strategy is None:
@@ -547,12 +607,17 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         """The wrapper's variables (``micro_steps``, ``grad_received``,
         ``acc_grads``), all of the inner optimizer's, then those of the
         skipping policies (``skipped_micro_steps``, ``skipped_windows``,
-        ``window_poisoned``): last, so that state saved without them (by
-        ``"propagate"``, and by 0.1.0) is a prefix of the state saved with
-        them."""
-        left_out = list(self._unused_base_variables) + self._nonfinite_variables + self._window_variables
+        ``window_poisoned``), then the window's ``mini_step`` and
+        ``window_weight``, then the row trackers (``touched_rows``, one per
+        variable of rank >= 1): last, so that state saved without them (by
+        ``"propagate"``, by 0.1.0, by versions before the window position or
+        the trackers) is a prefix of the state saved with them (see
+        :meth:`_saved_layout`)."""
+        left_out = (list(self._unused_base_variables) + self._nonfinite_variables + self._window_variables
+                    + self._tracker_variables)
         own = [v for v in self._variables if not any(v is u for u in left_out)]
-        return own + self.inner_optimizer.variables + self._nonfinite_variables + self._window_variables
+        return (own + self.inner_optimizer.variables + self._nonfinite_variables + self._window_variables
+                + self._tracker_variables)
 
     def __dir__(self):
         # Keras' saving walks `dir()` for child objects to save. The inner
@@ -694,6 +759,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             position = int(self.micro_steps.numpy()) % steps if isinstance(steps, int) else 0
             self.mini_step.assign(position)
             self.window_weight.assign(float(position))
+        if self._tracker_variables and not any(variables[-1] is t for t in self._tracker_variables):
+            self._mark_rows_of_restored_accumulators()
         if outer_keys:
             outer_state = {k: np.asarray(store[k]) for k in outer_keys}
             if self.outer_optimizer is not None:
@@ -703,20 +770,48 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     def _saved_layout(self, store: Mapping[str, Any], saved: int) -> list:
         """The variables that ``saved`` stored arrays fill, in order:
-        :attr:`variables`, or the layouts of older or other-policy saves
-        (without the window's ``mini_step``/``window_weight``, 0.2.0.dev0 and
-        older; without the skipping counters, saved with ``"propagate"``);
-        :attr:`variables` when none fits (the caller raises)."""
-        base = self.variables[: len(self.variables) - len(self._nonfinite_variables) - len(self._window_variables)]
-        nonfinite, window = self._nonfinite_variables, self._window_variables
-        layouts = [base + nonfinite + window, base + nonfinite, base + window, base]
-        fitting = [layout for layout in layouts if len(layout) == saved]
-        if len(fitting) > 1 and window:
-            # Same length (two skip counters vs the two window variables):
-            # the window's last variable is the float `window_weight`.
-            last = np.asarray(store[str(saved - 1)])
-            fitting = [l for l in fitting if (l[-1] is self.window_weight) == np.issubdtype(last.dtype, np.floating)]
+        :attr:`variables`, or the layouts of older or other-policy saves,
+        which lack some of its three optional trailing blocks (the skipping
+        counters, saved with ``"propagate"``; the window's
+        ``mini_step``/``window_weight``, 0.2.0.dev0 and older; the row
+        trackers, before them). Of the layouts of the right length, the first
+        whose variables match the stored arrays in shape and in dtype kind
+        (the counters are int scalars, ``window_weight`` a float scalar, the
+        trackers float vectors); :attr:`variables` when none fits (the caller
+        raises)."""
+        import itertools
+
+        blocks = [self._nonfinite_variables, self._window_variables, self._tracker_variables]
+        base = self.variables[: len(self.variables) - sum(len(b) for b in blocks)]
+        layouts = []
+        for keep in itertools.product((True, False), repeat=len(blocks)):
+            layout = base + [v for k, b in zip(keep, blocks) if k for v in b]
+            if len(layout) == saved:
+                layouts.append(layout)
+
+        def fits(layout: list) -> bool:
+            for i, v in enumerate(layout):
+                value = np.asarray(store[str(i)])
+                if tuple(v.shape) != value.shape:
+                    return False
+                if keras.backend.is_float_dtype(v.dtype) != np.issubdtype(value.dtype, np.floating):
+                    return False
+            return True
+
+        fitting = [layout for layout in layouts if fits(layout)]
         return fitting[0] if fitting else self.variables
+
+    def _mark_rows_of_restored_accumulators(self) -> None:
+        """State saved without row trackers (by a version before them): mark
+        every row whose restored accumulator is non-zero, so that the window
+        in progress loses nothing when it closes. (A row whose sum is exactly
+        zero adds nothing to a window anyway.)"""
+        for acc, tracker in zip(self.acc_grads, self._rows_by_index):
+            if tracker is None:
+                continue
+            value = np.asarray(acc.numpy())
+            touched = np.any(value.reshape(value.shape[0], -1) != 0, axis=1)
+            tracker.assign(touched.astype("float16"))
 
     def _restore_counters(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore, before build, the two counters that already exist:
@@ -910,10 +1005,17 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._micro_step(grads, each_replica, all_replicas, finite, weight)
 
     def _window_state(self) -> acc_lib.WindowState:
+        # Row trackers are handed to the algorithm only for variables that
+        # have had a `tf.IndexedSlices` gradient in some traced step
+        # (`_accumulation.sparse_window` gives a tracked variable without a
+        # gradient on the closing micro-step a sparse window, which a dense
+        # variable must not get); `_sparse_windows` off: none (every window dense).
+        rows = [t if i in self._sparse_seen else None for i, t in enumerate(self._rows_by_index)]
         return acc_lib.WindowState(
             self.acc_grads,
             self.micro_steps,
             self.grad_received,
+            touched_rows=rows if getattr(self, "_sparse_windows", True) and rows else None,
             skipped_micro_steps=self.skipped_micro_steps,
             skipped_windows=self.skipped_windows,
             window_poisoned=self.window_poisoned,
@@ -921,11 +1023,17 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             mini_step=self.mini_step,
             window_weight=self.window_weight,
             updates=self.inner_optimizer.iterations,
+            sparse_update=[_keeps_slices_sparse(self.inner_optimizer)] * len(self._trainable_variables),
         )
 
     def _micro_step(
         self, grads: list, each_replica: Any = None, all_replicas: Any = None, finite: Any = None, weight: Any = None
     ) -> None:
+        import tensorflow as tf
+
+        for i, g in enumerate(grads):  # remembered across traces (see `_window_state`)
+            if isinstance(acc_lib._local(g), tf.IndexedSlices) and self._rows_by_index[i] is not None:
+                self._sparse_seen.add(i)
         replicas = _replicas_in_sync()
         acc_lib.micro_step(
             _KerasBackend(self),
@@ -1124,6 +1232,28 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 steps, custom_objects=custom_objects
             )
         return cls(inner, **config)
+
+
+def _keeps_slices_sparse(inner: Any) -> bool:
+    """Does ``inner`` apply a ``tf.IndexedSlices`` gradient as a sparse update
+    (cost O(rows)), so that a sparse window should reach it as
+    ``tf.IndexedSlices`` over the touched rows (a trace-time decision)?
+
+    True only for ``keras.optimizers.SGD`` (or a subclass that keeps its
+    ``update_step``) with ``momentum == 0``: its update is
+    ``assign_sub(variable, gradient * lr)``, a ``scatter_sub`` for slices
+    (``keras/src/optimizers/sgd.py``; ``assign_sub`` in
+    ``keras/src/backend/tensorflow/optimizer.py``). With momentum, SGD
+    computes ``m * momentum - gradient * lr``, which densifies the slices
+    (``keras/src/backend/tensorflow/sparse.py``,
+    ``elementwise_binary_union``); Adam, Adamax, Nadam, AdamW, Ftrl, Lion,
+    RMSprop with momentum do the same. For those, handing slices would only
+    add a gather, a densification (with TF's "Converting sparse
+    IndexedSlices to a dense Tensor" warning on large tables) and, with
+    repeated ids, a different result: they get the dense window gradient,
+    and only the touched rows are zeroed afterwards.
+    """
+    return type(inner).update_step is keras.optimizers.SGD.update_step and float(inner.momentum) == 0.0
 
 
 def _check_strategy() -> None:
