@@ -944,7 +944,7 @@ def window_gradient(acc: Any, divisor: Any, reduction: str, rows: Any = None) ->
     if rows is None:
         value = tf.convert_to_tensor(acc)
     else:
-        value = tf.gather(acc, rows)
+        value = tf.gather(_resource_variable(acc), rows)
     if reduction == "mean" and not (isinstance(divisor, numbers.Integral) and divisor == 1):
         value = value / tf.cast(divisor, value.dtype)
     if rows is None:
@@ -989,6 +989,16 @@ def reset(backend: Backend, state: WindowState, rows: Sequence[Any], zero: Any) 
 
 
 # ------------------------------------------------------------------ helpers
+def _resource_variable(variable: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable (else ``variable``), so
+    that ``tf.gather`` on it is a ``ResourceGather`` of the rows: on the Keras
+    variable it reads the whole accumulator first (``ReadVariableOp``), a
+    table-sized copy when the variable is in copy-on-read mode, and an alias
+    that makes the next scatter into it copy the buffer."""
+    inner = getattr(variable, "value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
+
+
 def _static_shape(variable: Any) -> list[int]:
     """A variable's shape as ints (variables always have a static shape)."""
     return [int(d) for d in variable.shape]

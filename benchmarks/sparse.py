@@ -8,7 +8,13 @@ micro-step). The embedding gradient is a ``tf.IndexedSlices``. For each V
 
   * plain: the inner optimizer, every micro-step is an update;
   * accum: ``AccumulatingOptimizer(inner, N)``, which scatter-adds the ids'
-    rows into its accumulator and updates once per window;
+    rows into its accumulator, marks them in its row tracker and updates once
+    per window with the sparse window (SGD: ``tf.IndexedSlices`` over the
+    touched rows; other inner optimizers: the dense window gradient), then
+    zeroes the touched rows only;
+  * accum_dense: the same with the sparse window switched off (every window
+    dense: the whole accumulator handed over and zeroed), the update step the
+    library had before the row trackers, kept for the side-by-side;
   * builtin: Keras' ``inner(gradient_accumulation_steps=N)``, which densifies
     the gradient every micro-step.
 
@@ -60,7 +66,19 @@ PROFILES = {
     "full": dict(vocab=(10_000, 100_000, 1_000_000, 4_000_000), dim=64, batch=32, ids_per_example=8,
                  n=8, windows=20, jobs=1, timeout=1800),
 }
-METHOD_ORDER = ("plain", "accum", "builtin")
+METHOD_ORDER = ("plain", "accum", "accum_dense", "builtin")
+LABELS = {"plain": "plain", "accum": "accum", "accum_dense": "accum, dense window", "builtin": "built-in"}
+
+
+def make_optimizer(method: str, n: int, inner: str, lr: float):
+    """:func:`_common.make_optimizer`, plus ``accum_dense``: the
+    AccumulatingOptimizer with its sparse window switched off (every window
+    dense, as before the row trackers), for the side-by-side."""
+    if method != "accum_dense":
+        return C.make_optimizer(method, n, inner, lr=lr)
+    opt = C.make_optimizer("accum", n, inner, lr=lr)
+    object.__setattr__(opt, "_sparse_windows", False)
+    return opt
 
 
 def worker(cfg: dict) -> dict:
@@ -92,7 +110,7 @@ def worker(cfg: dict) -> dict:
         mem = C.PeakMemory(gpu)
         mem.start()
         try:
-            opt = C.make_optimizer(method, n, cfg["inner"], lr=1e-2)
+            opt = make_optimizer(method, n, cfg["inner"], lr=1e-2)
             step = C.make_train_step(model, opt, C.model_loss("embedding"))
             for i in range(n + 1):  # a window (trace, first update), then one accumulate-only step
                 step(*batches[i % len(batches)]).numpy()
@@ -103,6 +121,9 @@ def worker(cfg: dict) -> dict:
         r.update(mem.stop())
         r["optimizer_state_bytes"] = C.param_bytes(opt.variables)
         r["accumulator_bytes"] = C.accumulator_bytes(opt)
+        trackers = list(getattr(opt, "touched_rows", None) or [])
+        r["row_tracker_bytes"] = C.param_bytes(trackers)
+        r["table_tracker_bytes"] = C.param_bytes([t for t in trackers if tuple(t.shape) == (cfg["vocab"],)])
         runs[method] = {"model": model, "opt": opt, "step": step, "taken": n + 1, "times": []}
         out["methods"][method] = r
     order = list(runs)
@@ -166,20 +187,23 @@ def table(data: dict, markdown: bool = False) -> str:
         ok = {m: x for m, x in r.items() if x and x.get("status") == "ok"}
         cells = [f"{v:,}", f"{v * p['dim'] * 4 / C.MIB:.0f}"]
         cells.append(_ms(ok["plain"]["update_step_s"]) if "plain" in ok else (r["plain"] or {}).get("status", "n/a"))
-        for m in ("accum", "builtin"):
+        for m in ("accum", "accum_dense", "builtin"):
             if m in ok:
                 cells += [_ms(ok[m]["accumulate_step_s"]), _ms(ok[m]["update_step_s"]), _ms(ok[m]["mean_step_s"])]
             else:
                 cells += [(r[m] or {}).get("status", "n/a"), "", ""]
         rows.append(cells)
-        mcells = [f"{v:,}", f"{v * p['dim'] * 4 / C.MIB:.0f}"]
+        tracker = (ok.get("accum") or {}).get("table_tracker_bytes")
+        mcells = [f"{v:,}", f"{v * p['dim'] * 4 / C.MIB:.0f}",
+                  "n/a" if tracker is None else f"{tracker / C.MIB:.2f}"]
         for m in METHOD_ORDER:
             mcells += [_mem(r[m], "tensors"), _mem(r[m], "tensors", "resident")]
         mem_rows.append(mcells)
     headers = ["V", "table MiB", "plain ms", "accum: acc ms", "update ms", "mean ms",
+               "accum, dense window: acc ms", "update ms", "mean ms",
                "built-in: acc ms", "update ms", "mean ms"]
-    mem_headers = ["V", "table MiB", "plain: peak", "resident", "accum: peak", "resident",
-                   "built-in: peak", "resident"]
+    mem_headers = ["V", "table MiB", "row tracker MiB", "plain: peak", "resident", "accum: peak", "resident",
+                   "accum, dense window: peak", "resident", "built-in: peak", "resident"]
     s = data["scaling"]
     lines = [C.format_table(headers, rows, markdown), "",
              f"Time per micro-step, ms. N={p['n']}, {p['batch'] * p['ids_per_example']} ids per micro-batch, "
@@ -187,17 +211,51 @@ def table(data: dict, markdown: bool = False) -> str:
              "'mean' = median over windows of the window's mean time per micro-step (the amortised cost; plain: "
              "every step is an update).", ""]
     for m, label in (("accum", "AccumulatingOptimizer accumulate-only micro-step"),
+                     ("accum/update", "AccumulatingOptimizer update step (sparse window)"),
+                     ("accum_dense/update", "AccumulatingOptimizer update step, dense window"),
                      ("builtin", "Keras built-in accumulate-only micro-step"),
                      ("plain", "plain step")):
         if s.get(m):
             lines.append(f"{label}: x{s[m]['ratio']:.2f} from V={s[m]['v_min']:,} to V={s[m]['v_max']:,} "
                          f"(V x{s[m]['v_max'] / s[m]['v_min']:.0f}); log-log slope {s[m]['slope']:.2f} "
                          "(0 = independent of V, 1 = proportional to V)")
+    for line in targets(data):
+        lines.append(line)
     lines += ["", C.format_table(mem_headers, mem_rows, markdown), "",
               f"Memory, MiB of {data['memory_label']} tensor memory above the built model, over the first window "
               "and one more accumulate-only micro-step: 'peak', and 'resident' (still allocated at the end: "
-              "optimizer state, accumulators and any constants the step keeps)."]
+              "optimizer state, accumulators and any constants the step keeps). 'row tracker': the "
+              "AccumulatingOptimizer's float16 row marks of the table (2 bytes per row), part of its resident."]
     return "\n".join(lines)
+
+
+def targets(data: dict) -> list[str]:
+    """The issue's figures to reach, each with the measured value (at the
+    largest V of the run that is <= 10^6, and across V for the slope)."""
+    res, p, s = data["results"], data["settings"], data["scaling"]
+    ok = lambda m, v: (res.get(f"{m}/{v}") or {}).get("status") == "ok"  # noqa: E731
+    vs = [v for v in p["vocab"] if v <= 1_000_000]
+    if not vs:
+        return []
+    big = vs[-1]
+    out = ["", f"Targets (at V={big:,} where a single V):"]
+    if s.get("accum/update"):
+        out.append(f"  update step log-log slope <= 0.2: {s['accum/update']['slope']:.2f}")
+    if ok("accum", big) and ok("accum_dense", big):
+        ratio = res[f"accum_dense/{big}"]["update_step_s"]["median"] / res[f"accum/{big}"]["update_step_s"]["median"]
+        out.append(f"  update step >= 5x faster than the dense window: {ratio:.1f}x")
+    if ok("accum", big) and ok("builtin", big):
+        ratio = res[f"accum/{big}"]["mean_step_s"] / res[f"builtin/{big}"]["mean_step_s"]
+        out.append(f"  mean time per micro-step <= 0.5x built-in: {ratio:.2f}x")
+    worse = [v for v in p["vocab"] if ok("accum", v) and ok("builtin", v)
+             and _peak_tensors(res[f"accum/{v}"]) > _peak_tensors(res[f"builtin/{v}"])]
+    out.append("  peak memory <= built-in at every V: " + ("yes" if not worse else f"no, at V={worse}"))
+    if ok("accum", big):
+        r = res[f"accum/{big}"]
+        bound = 1.1 * (r["table_bytes"] + r["accumulator_bytes"]["slots"])
+        out.append(f"  peak <= (table + accumulator) x 1.1 = {bound / C.MIB:.0f} MiB: "
+                   f"{_peak_tensors(r) / C.MIB:.0f} MiB")
+    return out
 
 
 def _slope(vs, ts):
@@ -210,14 +268,20 @@ def _slope(vs, ts):
 
 
 def scaling(results: dict, vocab) -> dict:
+    """Log-log slope against V (from 10^4 to 10^6: the larger V of
+    ``--full`` are left out, so that quick and full figures compare) of the
+    accumulate-only micro-step per method (key ``method``; plain: its step)
+    and of the update step (key ``method/update``)."""
     out = {}
-    for m in METHOD_ORDER:
-        key = "update_step_s" if m == "plain" else "accumulate_step_s"
+    vocab = [v for v in vocab if v <= 1_000_000]
+    series = [(m, "update_step_s" if m == "plain" else "accumulate_step_s", m) for m in METHOD_ORDER]
+    series += [(m, "update_step_s", f"{m}/update") for m in ("accum", "accum_dense", "builtin")]
+    for m, key, name in series:
         pts = [(v, results[f"{m}/{v}"][key]["median"]) for v in vocab
                if results.get(f"{m}/{v}", {}).get("status") == "ok" and results[f"{m}/{v}"].get(key)]
         if len(pts) >= 2:
-            out[m] = {"v_min": pts[0][0], "v_max": pts[-1][0], "ratio": pts[-1][1] / pts[0][1],
-                      "slope": _slope([p[0] for p in pts], [p[1] for p in pts]), "metric": key}
+            out[name] = {"v_min": pts[0][0], "v_max": pts[-1][0], "ratio": pts[-1][1] / pts[0][1],
+                         "slope": _slope([p[0] for p in pts], [p[1] for p in pts]), "metric": key}
     return out
 
 
@@ -234,6 +298,8 @@ def plot(data: dict, path: Path) -> Path:
               ("accum", "accumulate_step_s", "AccumulatingOptimizer, accumulate micro-step", "tab:blue", "-", "s"),
               ("accum", "update_step_s", "AccumulatingOptimizer, update step (1 in N)", "tab:blue", ":", "s"),
               ("accum", "mean_step_s", "AccumulatingOptimizer, mean per micro-step", "tab:blue", "--", "s"),
+              ("accum_dense", "update_step_s", "AccumulatingOptimizer, dense-window update step", "tab:purple",
+               ":", "D"),
               ("builtin", "accumulate_step_s", "Keras built-in, accumulate micro-step", "tab:orange", "-", "^"),
               ("builtin", "mean_step_s", "Keras built-in, mean per micro-step", "tab:orange", "--", "^")]
     for m, key, label, color, ls, marker in series:
@@ -254,6 +320,7 @@ def plot(data: dict, path: Path) -> Path:
     ax.legend(fontsize=7)
     for m, label, color, marker in (("plain", "plain", "tab:gray", "o"),
                                     ("accum", "AccumulatingOptimizer", "tab:blue", "s"),
+                                    ("accum_dense", "AccumulatingOptimizer, dense window", "tab:purple", "D"),
                                     ("builtin", "Keras built-in", "tab:orange", "^")):
         xy = [(v, _peak_tensors(data["results"][f"{m}/{v}"]) / C.MIB) for v in p["vocab"]
               if data["results"].get(f"{m}/{v}", {}).get("status") == "ok"]

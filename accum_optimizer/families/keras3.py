@@ -264,6 +264,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             passed to the wrapper instead of the inner optimizer.
     """
 
+    # False: every window is dense, as before the row trackers (the trackers
+    # still exist and are saved). Not API: benchmarks/sparse.py sets it to
+    # measure the dense window next to the sparse one.
+    _sparse_windows = True
+
     def __init__(
         self,
         inner_optimizer: Any = acc_lib.REQUIRED,
@@ -1015,7 +1020,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self.acc_grads,
             self.micro_steps,
             self.grad_received,
-            touched_rows=rows if getattr(self, "_sparse_windows", True) and rows else None,
+            touched_rows=rows if self._sparse_windows and rows else None,
             skipped_micro_steps=self.skipped_micro_steps,
             skipped_windows=self.skipped_windows,
             window_poisoned=self.window_poisoned,
@@ -1144,6 +1149,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def _apply_inner(self, window_grads: list, gates: dict) -> None:
         with self._gate_inner_updates(gates):
             self.inner_optimizer.apply(window_grads, self._trainable_variables)
+        # The inner optimizer scatter-updated the variables of sparse windows:
+        # keep their next reads (the forward passes) from copying them.
+        for g, v in zip(window_grads, self._trainable_variables):
+            if _is_slices(g):
+                _disable_copy_on_read(v)
 
     @contextlib.contextmanager
     def _gate_inner_updates(self, gates: dict):
@@ -1317,13 +1327,18 @@ class _KerasBackend:
         self._opt.assign(variable, value)
 
     def assign_add(self, variable: Any, value: Any) -> None:
-        self._opt.assign_add(_replica_local(variable, value), value)
+        target = _replica_local(variable, value)
+        self._opt.assign_add(target, value)
+        if _is_slices(value):
+            _disable_copy_on_read(target)
 
     def scatter_update(self, variable: Any, indices: Any, updates: Any) -> None:
         import tensorflow as tf
 
         value = tf.IndexedSlices(updates, indices)
-        self._opt.assign(_replica_local(variable, value), value)
+        target = _replica_local(variable, value)
+        self._opt.assign(target, value)
+        _disable_copy_on_read(target)
 
     def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> None:
         ops.cond(pred, lambda: _none(true_fn()), lambda: _none(false_fn()))
@@ -1374,6 +1389,43 @@ def _replicas_in_sync() -> int:
     import tensorflow as tf
 
     return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def _is_slices(value: Any) -> bool:
+    import tensorflow as tf
+
+    return isinstance(value, tf.IndexedSlices)
+
+
+def _disable_copy_on_read(variable: Any) -> None:
+    """Switch a variable that a scatter op just wrote back to TensorFlow's
+    normal access mode (``tf.raw_ops.DisableCopyOnRead``).
+
+    A scatter op puts a resource variable in *copy-on-read* mode
+    (``EnsureSparseVariableAccess`` in
+    ``tensorflow/core/kernels/resource_variable_ops.h``), and from then on
+    every dense read (``ReadVariableOp``) copies the whole buffer. For an
+    embedding table that the sparse window scatter-updates, that is every
+    forward pass (Keras' ``Embedding`` reads the table densely, then
+    gathers): a table-sized copy per micro-step, 30 ms at 10^6 x 64 on 2 CPU
+    cores, the cost of a dense update. Back in normal mode a dense read
+    aliases the buffer, and the next scatter copies it only if such a read
+    is still alive (TensorFlow's own check), so this is always safe; it only
+    costs taking the variable's lock. A no-op where the op does not exist or
+    the variable has no handle here (cross-replica context).
+    """
+    import tensorflow as tf
+
+    op = getattr(tf.raw_ops, "DisableCopyOnRead", None)
+    if op is None:
+        return
+    if isinstance(variable, keras.Variable):
+        variable = variable.value
+    try:
+        handle = variable.handle
+    except (AttributeError, ValueError):
+        return
+    op(resource=handle)
 
 
 # Key prefix, in this optimizer's saved store, of the variables of a
