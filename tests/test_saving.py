@@ -404,16 +404,18 @@ def test_saved_optimizer_state_is_accumulators_counters_and_inner_state_only(fit
     model_ids = {id(v) for v in model.weights}
     assert [v for v in opt.variables if id(v) in model_ids] == []
     expected_vars = [opt.micro_steps, opt.grad_received, *opt.acc_grads, *opt.inner_optimizer.variables,
-                     opt.mini_step, opt.window_weight]
+                     opt.mini_step, opt.window_weight, *opt.touched_rows]
     assert [id(v) for v in opt.variables] == [id(v) for v in expected_vars]
 
     # In the file: the plain AdamW's state + micro_steps + grad_received + one
-    # accumulator per trainable variable + mini_step + window_weight.
+    # accumulator per trainable variable + mini_step + window_weight + one
+    # float16 row tracker per trainable variable of rank >= 1 (its first axis).
     saved = sorted(h5_datasets(fit_runs.weights_file, "optimizer/vars").values())
     plain = list(h5_datasets(fit_runs.plain_weights_file, "optimizer/vars").values())
     own = [((), "int64"), ((len(model.trainable_variables),), "int64"), ((), "int64"), ((), "float32")]
     acc = [(tuple(v.shape), "float32") for v in model.trainable_variables]
-    assert saved == sorted(plain + own + acc)
+    rows = [(tuple(v.shape[:1]), "float16") for v in model.trainable_variables if len(v.shape) >= 1]
+    assert saved == sorted(plain + own + acc + rows)
 
 
 def test_exported_saved_model_holds_no_optimizer_state(fit_runs, tmp_path):
