@@ -618,7 +618,8 @@ def test_variables_are_only_optimizer_state():
     ids = {id(v) for v in opt.variables}
     leaked = [v.path for v in model.weights if id(v) in ids]
     assert not leaked, f"model weights listed as optimizer variables: {leaked}"
-    own = [opt.micro_steps, opt.grad_received, *opt.acc_grads, opt.mini_step, opt.window_weight]
+    own = [opt.micro_steps, opt.grad_received, *opt.acc_grads, opt.mini_step, opt.window_weight, *opt.touched_rows]
+    assert len(opt.touched_rows) == len(model.trainable_variables)  # every MLP variable has rank >= 1
     assert len(opt.variables) == len(own) + len(opt.inner_optimizer.variables)
 
 

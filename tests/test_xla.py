@@ -165,6 +165,8 @@ def _embedding_reference(optimizer, x, y, densify):
 
 
 EMBEDDING_OPTIMIZERS = {
+    # Plain SGD gets the sparse window (IndexedSlices over the touched rows).
+    "sgd": (lambda: keras.optimizers.SGD(0.5), False),
     "sgd_momentum": (lambda: keras.optimizers.SGD(0.5, momentum=0.9), False),
     "adam": (lambda: keras.optimizers.Adam(5e-2), True),
 }

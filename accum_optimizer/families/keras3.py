@@ -1391,6 +1391,20 @@ def _replicas_in_sync() -> int:
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
+def _in_xla_context() -> bool:
+    """Is the graph being traced compiled by XLA (``jit_compile=True``)? XLA
+    has no kernel for ``DisableCopyOnRead`` (and keeps its own buffers)."""
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # private module moved: assume XLA, skip the op
+        return True
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def _is_slices(value: Any) -> bool:
     import tensorflow as tf
 
@@ -1411,13 +1425,13 @@ def _disable_copy_on_read(variable: Any) -> None:
     cores, the cost of a dense update. Back in normal mode a dense read
     aliases the buffer, and the next scatter copies it only if such a read
     is still alive (TensorFlow's own check), so this is always safe; it only
-    costs taking the variable's lock. A no-op where the op does not exist or
-    the variable has no handle here (cross-replica context).
+    costs taking the variable's lock. A no-op where the op does not exist,
+    under XLA, or where the variable has no handle (cross-replica context).
     """
     import tensorflow as tf
 
     op = getattr(tf.raw_ops, "DisableCopyOnRead", None)
-    if op is None:
+    if op is None or _in_xla_context():
         return
     if isinstance(variable, keras.Variable):
         variable = variable.value
