@@ -129,7 +129,11 @@ def test_sparse_output(tiny_run):
         acc = data["results"][f"accum/{v}"]
         assert _positive(acc["accumulate_step_s"]["median"]) and _positive(acc["update_step_s"]["median"])
         assert acc["accumulator_bytes"]["slots"] >= v * settings["dim"] * 4
+        assert acc["table_tracker_bytes"] == 2 * v  # the table's float16 row marks
+        dense = data["results"][f"accum_dense/{v}"]  # the dense window, side by side
+        assert dense["status"] == "ok" and _positive(dense["update_step_s"]["median"])
     assert "accum" in data["scaling"] and "slope" in data["scaling"]["accum"]
+    assert "slope" in data["scaling"]["accum/update"]
     _check_png(out / "sparse.png")
     assert "table MiB" in stdout
 
