@@ -378,6 +378,23 @@ def test_flush_with_weighting_when_the_batch_size_does_not_divide_the_data():
     np.testing.assert_allclose(h.history["val_loss"], h_ref.history["val_loss"], rtol=1e-5)
 
 
+def test_weighted_sparse_window_with_flush_equals_the_large_batch():
+    """Plain SGD gets the window of an Embedding as IndexedSlices over its
+    touched rows (the sparse window); with token counts and a flush at the
+    epoch end it still equals the large batch's masked mean: 26 sequences,
+    B = 4, N = 3 (windows of 12, 12 and 2 sequences) against batches of 12."""
+    x, y = _token_data(3, 26)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ref = _token_model()
+    ref.compile(keras.optimizers.SGD(0.3), loss)
+    ref.fit(_padded(x, y, 12), epochs=2, verbose=0)
+    model = _token_model()
+    opt = AccumulatingOptimizer(keras.optimizers.SGD(0.3), gradient_accumulation_steps=3)
+    model.compile(opt, CountedLoss(keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+    model.fit(_padded(x, y, 4), epochs=2, verbose=0, callbacks=[FlushPartialWindow()])
+    _assert_same_training(ref, ref.optimizer, model, opt)
+
+
 def test_flush_normalises_by_what_the_window_holds_eagerly_and_in_tf_function():
     """Hand-computed with SGD: after 2 micro-steps of a window of 4, flush
     applies (g1 + g2) / 2; a second flush on the empty window is a no-op;
