@@ -457,8 +457,15 @@ def main(argv=None) -> int:
         "models": per_model,
         "wall_seconds": time.perf_counter() - t_start,
     }
+    md = tables(per_model, args.budget_mib, labels, markdown=True)
+    narrow = [k for k in p["models"] if args.profile != "full" and not args.n
+              and len(ns_of(p, k)) < len(ns_of(PROFILES["full"], k))]
+    if narrow:
+        md += ("\n" + ", ".join(narrow) + f": N = {', '.join(str(n) for n in ns_of(p, narrow[0]))} only in the "
+               f"{args.profile} profile; the sweep over N = {', '.join(str(n) for n in PROFILES['full']['ns'])}: "
+               f"`.venv/bin/python -m benchmarks.memory --full --models {','.join(narrow)}`.\n")
     C.write_outputs(
-        out, "memory", data, tables(per_model, args.budget_mib, labels, markdown=True),
+        out, "memory", data, md,
         lambda _data, path: plot(per_model, args.budget_mib, labels, path), prog,
     )
     return 0

@@ -402,7 +402,12 @@ def main(argv=None) -> int:
             row["within_3_percent_shown"] = None if r is None else r["ci_high"] <= CLAIM
     print()
     print(table(data))
-    C.write_outputs(args.out, "overhead", data, table(data, markdown=True), plot, prog)
+    md = table(data, markdown=True)
+    if args.profile == "quick":
+        md += ("\n\nQuick profile: N = 4, each loop's default way (custom loop XLA off, fit XLA on). N = 1 "
+               "(the pass-through) and 16, XLA on and off in both loops, 50 rounds: "
+               "`.venv/bin/python -m benchmarks.overhead --full`.")
+    C.write_outputs(args.out, "overhead", data, md, plot, prog)
     return 0
 
 
