@@ -30,7 +30,7 @@ from benchmarks import _common as C  # noqa: E402
 
 BENCHMARKS = {
     "memory": "1. Memory: what accumulation saves and what it costs",
-    "overhead": "2. Step overhead: time per micro-step",
+    "overhead": "2. Step overhead: time per micro-step, median ratios with 95% confidence intervals",
     "sparse": "3. Sparse gradients: large embedding tables",
 }
 

@@ -33,21 +33,41 @@ RESULT_PREFIX = "BENCH_RESULT "
 # Model sizes per profile. `tiny` is for the smoke test (seconds), `quick` is
 # what `make bench` runs (the whole quick profile < 10 min on 2 CPU cores),
 # `full` is the sweep to run on a quiet machine or a GPU.
+#
+# `cnn` and `transformer` are small and activation-heavy (the accumulator is
+# lost in the noise next to them). The two models "where parameters matter"
+# are Transformer encoders built like `transformer`:
+#   * `transformer_wide` (overhead benchmark): d_model 256, 6 layers,
+#     5,272,066 parameters (quick and full) on 32 tokens, so that the step is
+#     short and the extra pass over the parameters is a measurable part of it;
+#   * `transformer_big` (memory benchmark): d_model 512, 6 layers,
+#     21,079,042 parameters (quick and full, 84 MiB float32) on 128 tokens,
+#     so that at a micro-batch of a few sequences its activations and its
+#     parameters are of the same order.
+# Their `tiny` sizes only exercise the code paths.
 MODEL_SIZES = {
     "tiny": {
         "cnn": dict(width=8, blocks=(1,), image=32),
         "transformer": dict(seq_len=256, vocab=256, dim=16, heads=2, ff=32, layers=1),
+        "transformer_wide": dict(seq_len=16, vocab=256, dim=32, heads=2, ff=64, layers=1),
+        "transformer_big": dict(seq_len=16, vocab=256, dim=32, heads=2, ff=64, layers=1),
     },
     "quick": {
         "cnn": dict(width=32, blocks=(1, 1), image=32),
         "transformer": dict(seq_len=256, vocab=1000, dim=64, heads=4, ff=128, layers=2),
+        "transformer_wide": dict(seq_len=32, vocab=2048, dim=256, heads=4, ff=1024, layers=6),
+        "transformer_big": dict(seq_len=128, vocab=4096, dim=512, heads=8, ff=2048, layers=6),
     },
     "full": {
         "cnn": dict(width=64, blocks=(2, 2, 2), image=32),
         "transformer": dict(seq_len=256, vocab=8000, dim=128, heads=4, ff=512, layers=4),
+        "transformer_wide": dict(seq_len=32, vocab=2048, dim=256, heads=4, ff=1024, layers=6),
+        "transformer_big": dict(seq_len=128, vocab=4096, dim=512, heads=8, ff=2048, layers=6),
     },
 }
-MODELS = ("cnn", "transformer")
+MODELS = ("cnn", "transformer")  # the small models (the default of --models before issue 11)
+ALL_MODELS = MODELS + ("transformer_wide", "transformer_big")
+TRANSFORMERS = ("transformer", "transformer_wide", "transformer_big")
 
 
 def add_profile_args(parser: argparse.ArgumentParser, default_out: str = "bench_output") -> None:
@@ -64,7 +84,7 @@ def add_profile_args(parser: argparse.ArgumentParser, default_out: str = "bench_
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--models, --batch and --n, shared by the dense-model benchmarks."""
-    parser.add_argument("--models", type=parse_str_list, help="comma list of cnn,transformer")
+    parser.add_argument("--models", type=parse_str_list, help="comma list of " + ",".join(ALL_MODELS))
     parser.add_argument("--batch", type=int, help="micro-batch size B for every model")
     parser.add_argument("--n", type=parse_int_list, help="comma list of accumulation steps N")
 
@@ -307,6 +327,45 @@ def quantile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def bootstrap_median_ci(values: Sequence[float], confidence: float = 0.95, resamples: int = 10_000,
+                        seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of the median of ``values``.
+
+    Draws ``resamples`` samples of ``len(values)`` with replacement (numpy's
+    ``default_rng(seed)``: the same values give the same interval), takes
+    each one's median, and returns the ``(1 - confidence) / 2`` and
+    ``(1 + confidence) / 2`` quantiles of those medians (Efron's percentile
+    interval; ``scipy.stats.bootstrap(..., method="percentile")`` computes
+    the same up to its own random draws).
+
+    Raises:
+        ValueError: ``values`` is empty, or ``confidence`` is not in (0, 1),
+            or ``resamples < 1``.
+    """
+    import numpy as np
+
+    x = np.asarray([float(v) for v in values], dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("bootstrap_median_ci: `values` is empty; it needs at least one value")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"bootstrap_median_ci: `confidence`={confidence!r}; expected a float in (0, 1)")
+    if resamples < 1:
+        raise ValueError(f"bootstrap_median_ci: `resamples`={resamples!r}; expected an int >= 1")
+    rng = np.random.default_rng(seed)
+    medians = np.median(x[rng.integers(0, x.size, size=(resamples, x.size))], axis=1)
+    lo, hi = np.quantile(medians, [(1.0 - confidence) / 2.0, (1.0 + confidence) / 2.0])
+    return float(lo), float(hi)
+
+
+def summarize_with_ci(values: Sequence[float], confidence: float = 0.95, seed: int = 0) -> dict:
+    """:func:`summarize` plus the median's percentile-bootstrap interval
+    (:func:`bootstrap_median_ci`): ``ci_low``, ``ci_high``, ``confidence``."""
+    out = summarize(values)
+    out["ci_low"], out["ci_high"] = bootstrap_median_ci(values, confidence, seed=seed)
+    out["confidence"] = confidence
+    return out
+
+
 def summarize(values: Sequence[float]) -> dict:
     """median, quartiles, min, max of a sample."""
     values = [float(v) for v in values]
@@ -488,7 +547,9 @@ def build_model(kind: str, size: dict, seed: int = 0):
     blocks with BatchNorm, stride-2 downsampling between stages, global
     average pooling, 10 logits). ``transformer``: pre-norm Transformer
     encoder on ``seq_len`` token ids (token ``Embedding`` + learned positions,
-    ``layers`` x (MultiHeadAttention + MLP), mean pooling, 2 logits).
+    ``layers`` x (MultiHeadAttention + MLP), mean pooling, 2 logits);
+    ``transformer_wide`` and ``transformer_big`` are the same architecture
+    at their own sizes (see ``MODEL_SIZES``).
     """
     import keras
 
@@ -515,7 +576,7 @@ def build_model(kind: str, size: dict, seed: int = 0):
         x = L.GlobalAveragePooling2D()(x)
         out = L.Dense(10)(x)
         return keras.Model(inp, out, name="resnet_cnn")
-    if kind == "transformer":
+    if kind in TRANSFORMERS:
         d, seq = size["dim"], size["seq_len"]
         inp = keras.Input((seq,), dtype="int32", name="tokens")
         x = L.Embedding(size["vocab"], d, name="tokens_embedding")(inp)
@@ -539,7 +600,7 @@ def build_model(kind: str, size: dict, seed: int = 0):
         x = L.GlobalAveragePooling1D()(x)
         out = L.Dense(1)(x)
         return keras.Model(inp, out, name="embedding_model")
-    raise ValueError(f"unknown model kind {kind!r}; expected one of {MODELS + ('embedding',)}")
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_MODELS + ('embedding',)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -585,7 +646,7 @@ def make_batch(kind: str, size: dict, batch: int, seed: int = 1):
         img = size["image"]
         x = rng.normal(size=(batch, img, img, 3)).astype("float32")
         y = rng.integers(0, 10, size=(batch,)).astype("int32")
-    elif kind == "transformer":
+    elif kind in TRANSFORMERS:
         x = rng.integers(0, size["vocab"], size=(batch, size["seq_len"])).astype("int32")
         y = rng.integers(0, 2, size=(batch,)).astype("int32")
     elif kind == "embedding":

@@ -1,8 +1,10 @@
 """Peak training memory: plain optimizer vs AccumulatingOptimizer vs Keras' built-in.
 
-For each model (a small ResNet-style CNN on 32x32x3 images and a small
-Transformer encoder on 256 tokens), micro-batch size B and accumulation steps
-N, it measures the peak memory of one training process for
+For each model (a small ResNet-style CNN on 32x32x3 images, a small
+Transformer encoder on 256 tokens, and ``transformer_big``: a Transformer
+encoder with d_model 512, 6 layers and 21M trainable parameters on 128
+tokens, where the accumulator is a real cost next to the activations it
+saves), micro-batch size B and accumulation steps N, it measures the peak memory of one training process for
 
   (a) batch B, plain optimizer (Adam);
   (b) batch B, AccumulatingOptimizer(Adam, N);
@@ -42,7 +44,10 @@ still allocated at the end, peak tensor memory, and peak RSS.
     python -m benchmarks.memory --tiny     # seconds; what the smoke test runs
 
 Writes ``<out>/memory.json`` (raw figures and environment) and
-``<out>/memory.png`` (peak memory against effective batch, one line per method).
+``<out>/memory.png`` (peak memory against effective batch, one line per method,
+and a dashed line at the plain micro-batch's peak plus one float32 copy of
+the parameters: the least accumulation can cost; where the plain N*B line
+rises above it, accumulation pays).
 """
 
 from __future__ import annotations
@@ -61,14 +66,25 @@ if __package__ in (None, ""):  # `python benchmarks/memory.py`
 
 from benchmarks import _common as C  # noqa: E402
 
+# `model_ns`: the N swept for a model, where it differs from `ns`.
+# transformer_big (21M parameters, 80 MiB float32) at B=2 sequences of 128
+# tokens: one micro-batch adds about as much tensor memory as the parameters
+# take (the quick run prints the ratio). Each of its workers spends ~30 s
+# tracing on 2 CPU cores, so the quick profile measures it at N=4 only (4
+# workers); --full sweeps N = 2, 4, 8, 16.
 PROFILES = {
-    "tiny": dict(models=("transformer",), batch={"cnn": 2, "transformer": 1}, ns=(2,), plain_steps=1,
-                 windows=1, jobs=4, timeout=300),
-    "quick": dict(models=C.MODELS, batch={"cnn": 16, "transformer": 4}, ns=(2, 4, 8, 16),
+    "tiny": dict(models=("transformer",), batch={"cnn": 2, "transformer": 1, "transformer_big": 1},
+                 ns=(2,), model_ns={}, plain_steps=1, windows=1, jobs=4, timeout=300),
+    "quick": dict(models=C.MODELS + ("transformer_big",), batch={"cnn": 16, "transformer": 4, "transformer_big": 2},
+                  ns=(2, 4, 8, 16), model_ns={"transformer_big": (4,)},
                   plain_steps=2, windows=1, jobs=2, timeout=600),
-    "full": dict(models=C.MODELS, batch={"cnn": 32, "transformer": 8}, ns=(2, 4, 8, 16),
-                 plain_steps=3, windows=2, jobs=2, timeout=1800),
+    "full": dict(models=C.MODELS + ("transformer_big",), batch={"cnn": 32, "transformer": 8, "transformer_big": 2},
+                 ns=(2, 4, 8, 16), model_ns={}, plain_steps=3, windows=2, jobs=2, timeout=1800),
 }
+
+
+def ns_of(p: dict, kind: str) -> tuple:
+    return tuple(p.get("model_ns", {}).get(kind, p["ns"]))
 
 
 # ------------------------------------------------------------------- worker
@@ -119,7 +135,7 @@ def build_configs(p: dict, args) -> list[dict]:
         base = dict(model=kind, size=size, micro_batch=b, inner="adam", budget_mib=args.budget_mib)
         configs.append(dict(base, case="a", method="plain", n=1, batch=b, effective_batch=b,
                             steps=p["plain_steps"]))
-        for n in p["ns"]:
+        for n in ns_of(p, kind):
             # Whole windows plus one accumulate-only micro-step, so the
             # accumulators are in use (materialised) when the run ends.
             configs.append(dict(base, case="b", method="accum", n=n, batch=b, effective_batch=n * b,
@@ -186,7 +202,7 @@ def summarize(configs: list[dict], results: list[dict], args, p: dict) -> dict:
         param_bytes = next((r["result"]["param_bytes"] for r in runs if "param_bytes" in r["result"]), None)
         param_count = next((r["result"]["param_count"] for r in runs if "param_count" in r["result"]), None)
         rows = []
-        for n in p["ns"]:
+        for n in ns_of(p, kind):
             b, c, d = by.get(("b", n)), by.get(("c", n)), by.get(("d", n))
             row = {"n": n, "effective_batch": n * p["batch"][kind],
                    "status": {k: _status(r, args.budget_mib) for k, r in (("a", a), ("b", b), ("c", c), ("d", d))}}
@@ -208,7 +224,14 @@ def summarize(configs: list[dict], results: list[dict], args, p: dict) -> dict:
         for metric in METRICS:
             cost[f"accum_{metric}_b_minus_a_median_bytes"] = med(metric, "b_minus_a")
             cost[f"builtin_{metric}_d_minus_a_median_bytes"] = med(metric, "d_minus_a")
+            # What one micro-batch of B adds (activations, gradients' share and
+            # temporaries that grow with the batch): ((c) - (a)) / (N - 1),
+            # median over N; to set against the parameter bytes.
+            cost[f"per_micro_batch_{metric}_bytes"] = _median(
+                [(r[metric]["c_plain_NB"] - r[metric]["a_plain_B"]) / (r["n"] - 1) for r in rows
+                 if r["n"] > 1 and r[metric]["c_plain_NB"] is not None and r[metric]["a_plain_B"] is not None])
         per_model[kind] = {"size": C.MODEL_SIZES[args.profile][kind], "micro_batch": p["batch"][kind],
+                           "ns": list(ns_of(p, kind)),
                            "param_count": param_count, "param_bytes": param_bytes, "rows": rows,
                            "accumulator_cost": cost, "runs": runs}
     return per_model
@@ -277,6 +300,14 @@ def tables(per_model: dict, budget_mib: float | None, labels: dict, markdown: bo
                 f"({_pct(ac['accum_alloc_peak_b_minus_a_median_bytes'], pb)}); built-in (d)-(a): "
                 f"{C.fmt_mib(ac['builtin_alloc_peak_d_minus_a_median_bytes'], 3)} MiB "
                 f"({_pct(ac['builtin_alloc_peak_d_minus_a_median_bytes'], pb)}).")
+        per_b = ac.get("per_micro_batch_alloc_peak_bytes")
+        per_b_src = "peak tensor memory"
+        if per_b is None:
+            per_b, per_b_src = ac.get("per_micro_batch_headline_peak_bytes"), "headline peak"
+        if per_b is not None:
+            lines.append(
+                f"  what one micro-batch of B={m['micro_batch']} adds ({per_b_src}, ((c)-(a))/(N-1), median over N): "
+                f"{C.fmt_mib(per_b, 1)} MiB = {per_b / pb:.2f} x the float32 parameters.")
         lines.append(
             f"  measured, headline peak, (b)-(a) median: "
             f"{C.fmt_mib(ac['accum_headline_peak_b_minus_a_median_bytes'], 2)} MiB; built-in (d)-(a): "
@@ -326,6 +357,12 @@ def plot(per_model: dict, budget_mib: float | None, labels: dict, path: Path) ->
             if m["param_bytes"]:
                 ax.axhline(m["param_bytes"] / C.MIB, color="tab:green", ls=":", lw=1,
                            label="one float32 copy of the params")
+                if va is not None:
+                    # What accumulation costs at best: the micro-batch's own
+                    # peak plus one float32 copy of the parameters. Where the
+                    # plain line rises above it, accumulation pays.
+                    ax.axhline((va + m["param_bytes"]) / C.MIB, color="tab:blue", ls="--", lw=1,
+                               label="plain micro-batch peak + accumulator floor")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ticks = sorted({B} | {row["effective_batch"] for row in m["rows"]})
@@ -359,10 +396,17 @@ def main(argv=None) -> int:
     p = dict(PROFILES[args.profile])
     if args.models:
         p["models"] = tuple(args.models)
+    unknown = [m for m in p["models"] if m not in C.ALL_MODELS]
+    if unknown:
+        parser.error(f"--models: unknown model(s) {unknown}; choose from {list(C.ALL_MODELS)}")
     if args.batch:
-        p["batch"] = {k: args.batch for k in C.MODELS}
+        p["batch"] = {k: args.batch for k in C.ALL_MODELS}
+    elif any(m not in p["batch"] for m in p["models"]):
+        parser.error(f"--models {','.join(p['models'])}: the {args.profile} profile has no micro-batch for "
+                     f"{[m for m in p['models'] if m not in p['batch']]}; pass --batch")
     if args.n:
         p["ns"] = tuple(args.n)
+        p["model_ns"] = {}  # an explicit --n applies to every model
     if args.jobs:
         p["jobs"] = args.jobs
     t_start = time.perf_counter()
@@ -413,8 +457,15 @@ def main(argv=None) -> int:
         "models": per_model,
         "wall_seconds": time.perf_counter() - t_start,
     }
+    md = tables(per_model, args.budget_mib, labels, markdown=True)
+    narrow = [k for k in p["models"] if args.profile != "full" and not args.n
+              and len(ns_of(p, k)) < len(ns_of(PROFILES["full"], k))]
+    if narrow:
+        md += ("\n" + ", ".join(narrow) + f": N = {', '.join(str(n) for n in ns_of(p, narrow[0]))} only in the "
+               f"{args.profile} profile; the sweep over N = {', '.join(str(n) for n in PROFILES['full']['ns'])}: "
+               f"`.venv/bin/python -m benchmarks.memory --full --models {','.join(narrow)}`.\n")
     C.write_outputs(
-        out, "memory", data, tables(per_model, args.budget_mib, labels, markdown=True),
+        out, "memory", data, md,
         lambda _data, path: plot(per_model, args.budget_mib, labels, path), prog,
     )
     return 0
