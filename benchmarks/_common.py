@@ -696,13 +696,17 @@ def _dtype_size(dtype) -> int:
 
 def accumulator_bytes(opt) -> dict:
     """Bytes of the state an optimizer keeps *for accumulation* (beyond its
-    inner/plain state): ``AccumulatingOptimizer``'s ``acc_grads``,
-    ``grad_received`` and ``micro_steps``; Keras' ``_accumulated_gradients``."""
+    inner/plain state): ``AccumulatingOptimizer``'s ``acc_grads`` (slots),
+    and its bookkeeping: ``grad_received``, ``micro_steps``, ``mini_step``,
+    ``window_weight`` and the row trackers of sparse variables; Keras'
+    ``_accumulated_gradients``."""
     from accum_optimizer import AccumulatingOptimizer
 
     if isinstance(opt, AccumulatingOptimizer):
         slots = param_bytes(opt.acc_grads)
-        extra = param_bytes([v for v in (opt.grad_received, opt.micro_steps) if v is not None])
+        counters = [getattr(opt, name, None) for name in ("grad_received", "micro_steps", "mini_step", "window_weight")]
+        trackers = [t for t in (getattr(opt, "touched_rows", None) or []) if t is not None]
+        extra = param_bytes([v for v in counters if v is not None] + trackers)
         return {"slots": slots, "bookkeeping": extra, "total": slots + extra}
     acc = getattr(opt, "_accumulated_gradients", None) or []
     slots = param_bytes(acc)
