@@ -99,7 +99,10 @@ def test_sparse_weighted_windows_and_flush_equal_the_large_batches(inner_fn):
     the plain inner optimizer on batches of 8 and 4, and the rows no sample
     looked up keep their value and slots bitwise (the sparse window reaches
     lazy optimizers as IndexedSlices over the touched rows)."""
-    from reference_keras2 import embedding_data, embedding_model, mse, weights
+    from reference_keras2 import OUT, SEQ, embedding_data, embedding_model, mse, weights
+
+    # One trace for every micro-batch size.
+    signature = [tf.TensorSpec([None, SEQ], tf.int32), tf.TensorSpec([None, OUT], tf.float32)]
 
     sizes, windows = [3, 1, 4, 2, 2], [8, 4]
     x, y = embedding_data(sum(sizes), vocab_used=8)
@@ -111,11 +114,11 @@ def test_sparse_weighted_windows_and_flush_equal_the_large_batches(inner_fn):
             loss = mse(ys, m(xs, training=True))
         return tape.gradient(loss, m.trainable_variables)
 
-    @tf.function
+    @tf.function(input_signature=signature)
     def ref_step(xs, ys):
         ref_opt.apply_gradients(zip(grads(ref, xs, ys), ref.trainable_variables))
 
-    @tf.function
+    @tf.function(input_signature=signature + [tf.TensorSpec([], tf.float32)])
     def step(xs, ys, weight):
         g = grads(model, xs, ys)
         assert isinstance(g[0], tf.IndexedSlices)

@@ -43,11 +43,19 @@ def _is_legacy(opt) -> bool:
     return hasattr(opt, "_hyper")  # OptimizerV2
 
 
-def _weighted_step(model, opt):
-    """A traced custom-loop step: the gradient of the micro-batch's mean
-    loss, applied with ``weight`` (a float32 scalar tensor, or ``None``)."""
+def _signature(model):
+    """Batch-size-agnostic ``input_signature`` of a step of ``model``: one
+    trace for micro-batches of every size (the checks stay fast)."""
+    in_dim, out_dim = int(model.inputs[0].shape[-1]), int(model.outputs[0].shape[-1])
+    return [tf.TensorSpec([None, in_dim], tf.float32), tf.TensorSpec([None, out_dim], tf.float32)]
 
-    @tf.function
+
+def _weighted_step(model, opt, traced=True):
+    """A custom-loop step: the gradient of the micro-batch's mean loss,
+    applied with ``weight`` (a float32 scalar tensor, or ``None``: no
+    ``weight`` argument at all). ``traced``: a ``tf.function`` (one trace
+    per kind of weight), else eager."""
+
     def step(x, y, weight=None):
         with tf.GradientTape() as tape:
             loss = mse(y, model(x, training=True))
@@ -57,11 +65,15 @@ def _weighted_step(model, opt):
         else:
             opt.apply_gradients(zip(grads, model.trainable_variables), weight=weight)
 
-    return step
+    if not traced:
+        return step
+    weighted = tf.function(step, input_signature=_signature(model) + [tf.TensorSpec([], tf.float32)])
+    plain = tf.function(lambda x, y: step(x, y), input_signature=_signature(model))
+    return lambda x, y, weight=None: plain(x, y) if weight is None else weighted(x, y, weight)
 
 
 def _plain_step(model, opt):
-    @tf.function
+    @tf.function(input_signature=_signature(model))
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = mse(y, model(x, training=True))
@@ -166,7 +178,7 @@ def check_window_of_zero_counts_applies_nothing(opt_module):
         x, y = make_data(8)
         model = make_mlp(0)
         opt = AccumulatingOptimizer(opt_module.Adam(0.1), gradient_accumulation_steps=2, reduction=reduction)
-        step = _weighted_step(model, opt)
+        step = _weighted_step(model, opt, traced=False)
         step(x[:4], y[:4], tf.constant(0.0))  # builds
         before, state = weights(model), inner_state(opt)
         step(x[4:], y[4:], tf.constant(0.0))  # closes the window
@@ -266,7 +278,7 @@ def _resume_run(opt_module, save, restore, flush=True):
     x, y = make_data(16)
     model = make_mlp(0)
     opt = AccumulatingOptimizer(opt_module.Adam(0.05), gradient_accumulation_steps=3)
-    step = _weighted_step(model, opt)
+    step = _weighted_step(model, opt, traced=False)
     for k in range(2):
         step(x[2 * k: 2 * k + 2], y[2 * k: 2 * k + 2], tf.constant(float(k + 1)) if flush else None)
     if flush:
@@ -279,7 +291,7 @@ def _resume_run(opt_module, save, restore, flush=True):
         opt = AccumulatingOptimizer(opt_module.Adam(0.05), gradient_accumulation_steps=3)
         build(model, opt)
         restore(model, opt, saved)
-        step = _weighted_step(model, opt)
+        step = _weighted_step(model, opt, traced=False)
     for k in range(4, 8):
         step(x[2 * k: 2 * k + 2], y[2 * k: 2 * k + 2], tf.constant(float(k + 1)) if flush else None)
     return model, opt
