@@ -96,3 +96,7 @@ def _saver(fmt, tmp_path, drop_window=False):
         opt.load_own_variables(saved[1])
 
     return save, restore
+
+
+def test_weighted_windows_and_flush_under_mirrored_strategy_equal_the_single_device_large_batch(strategy):
+    W.check_weighted_windows_and_flush_under_mirrored_strategy(o, strategy)

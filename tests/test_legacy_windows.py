@@ -138,3 +138,7 @@ def test_sparse_weighted_windows_and_flush_equal_the_large_batches(inner_fn):
     assert W.max_abs_diff(W.inner_state(ref_opt), W.inner_state(opt)) <= W.TOL
     table = model.trainable_variables[0].numpy()
     np.testing.assert_array_equal(table[8:], embedding_model(0).trainable_variables[0].numpy()[8:])
+
+
+def test_weighted_windows_and_flush_under_mirrored_strategy_equal_the_single_device_large_batch(strategy):
+    W.check_weighted_windows_and_flush_under_mirrored_strategy(o, strategy)

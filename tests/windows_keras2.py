@@ -397,3 +397,54 @@ def check_negative_weight_in_tf_function_stops_the_step_before_any_write(opt_mod
         step(tf.constant(-1.0))
     assert int(opt.micro_steps.numpy()) == 1 and float(opt.window_weight.numpy()) == 2.0
     np.testing.assert_array_equal(opt.acc_grads[0].numpy(), [2.0, 2.0])
+
+
+# ------------------------------------------------- (g) MirroredStrategy
+# Per micro-step, the samples of each replica (2 replicas): unequal counts.
+# Window 1 (N = 2): 3 + 1, then 2 + 4 samples; then a partial window of
+# 2 + 1 samples, flushed.
+MIRRORED_SPLITS = [(3, 1), (2, 4), (2, 1)]
+
+
+def check_weighted_windows_and_flush_under_mirrored_strategy(opt_module, strategy):
+    """2 replicas with unequal sample counts per micro-step, each passing its
+    own count as ``weight`` and its mean loss divided by the replica count
+    (Keras' convention); a flush applies the partial window. Equals the
+    plain inner optimizer on ONE device on batches of the window's 10, then
+    3, samples. Tolerance 1e-5, as the other MirroredStrategy tests: the
+    cross-replica all-reduce sums in another order than one device."""
+    splits = MIRRORED_SPLITS
+    x, y = make_data(sum(sum(s) for s in splits))
+    ref, ref_opt = make_mlp(0), opt_module.Adam(0.05)
+    ref_step = _plain_step(ref, ref_opt)
+    ref_step(x[:10], y[:10])
+    ref_step(x[10:13], y[10:13])
+    with strategy.scope():
+        model = make_mlp(0)
+        opt = AccumulatingOptimizer(opt_module.Adam(0.05), gradient_accumulation_steps=2)
+
+    def replica_step(xs, ys):
+        with tf.GradientTape() as tape:
+            loss = mse(ys, model(xs, training=True)) / strategy.num_replicas_in_sync
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables), weight=tf.cast(tf.shape(xs)[0], tf.float32))
+
+    def step(xs, ys):  # eagerly: one trace per micro-batch shape would dominate the test's time
+        strategy.run(replica_step, args=(xs, ys))
+
+    start = 0
+    for counts in splits:
+        bounds = [start, start + counts[0], start + sum(counts)]
+        start = bounds[-1]
+
+        def part(ctx, data, bounds=bounds):
+            r = ctx.replica_id_in_sync_group
+            return tf.constant(data[bounds[r]: bounds[r + 1]])
+
+        step(strategy.experimental_distribute_values_from_function(lambda ctx: part(ctx, x)),
+             strategy.experimental_distribute_values_from_function(lambda ctx: part(ctx, y)))
+    assert int(opt.iterations.numpy()) == 1 and int(opt.mini_step.numpy()) == 1
+    assert float(opt.window_weight.numpy()) == 3.0  # summed over the replicas on read
+    opt.flush()
+    assert int(opt.iterations.numpy()) == 2 and int(opt.mini_step.numpy()) == 0
+    _assert_same_training(ref, ref_opt, model, opt, tol=1e-5)

@@ -144,7 +144,14 @@ class _Keras2Accumulating:
             window's gradient, and schedules see update counts.
         gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
             micro-steps per update. ``1`` is a pass-through to the inner
-            optimizer (no accumulator slots are created).
+            optimizer (no accumulator slots are created). Or a schedule over
+            updates: a dict ``{first_update: N, ...}`` (piecewise constant,
+            int keys strictly ascending from 0; kept in ``get_config``) or a
+            callable ``update_index -> N`` (an int64 scalar tensor in, an int
+            or int scalar tensor out; ``get_config`` needs it registered with
+            the package's ``register_keras_serializable``): a window that
+            starts at update ``u`` has ``N(u)`` micro-steps
+            (:func:`accum_optimizer._accumulation.validate_accumulation_schedule`).
         reduction: ``"mean"`` (default) applies ``sum / N``, equivalent to the
             large batch for a mean-reduced loss; ``"sum"`` applies the sum.
         name: optional name of the wrapper (default ``"AccumulatingOptimizer"``).
@@ -161,6 +168,21 @@ class _Keras2Accumulating:
             saving does, gives the sum over replicas).
         ``grad_received``: int64 vector ``(num_trainable_variables,)``, 1
             where a variable has had a gradient in the current window.
+        ``mini_step``: int64 scalar, micro-steps in the current window (its
+            position; units: micro-steps); -1 until the first micro-step or
+            :meth:`flush` ("unknown": then ``micro_steps % N``, what it was in
+            state saved before it existed). After :meth:`flush` or under a
+            schedule it differs from ``micro_steps % N``.
+        ``window_weight``: float32 scalar, the window's ``Σ cᵢ`` (each
+            micro-step's ``weight``, 1 without one); ``ON_READ`` summed
+            under ``tf.distribute``.
+        (``mini_step`` and ``window_weight`` come last in :attr:`variables`,
+        after the inner optimizer's: state saved without them restores.)
+
+    Weighted micro-batches (``apply_gradients(..., weight=c)``), the partial
+    window (:meth:`flush`) and schedules follow the Keras 3 family
+    (``accum_optimizer.families.keras3``); the window's gradient is
+    ``Σ cᵢ·gᵢ / Σ cᵢ`` under ``"mean"``.
 
     ``learning_rate`` and ``lr`` (read and assigned by Keras 2's
     ``LearningRateScheduler`` and ``ReduceLROnPlateau``) forward to the inner
@@ -183,9 +205,11 @@ class _Keras2Accumulating:
 
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras 2 new-API optimizer, or
-            ``gradient_accumulation_steps`` is not an int, or a required
+            ``gradient_accumulation_steps`` is not an int, dict or callable
+            (or a schedule key or value is not an int), or a required
             argument is missing, or an unknown keyword argument is given.
-        ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
+        ValueError: ``gradient_accumulation_steps < 1`` (or a schedule's N,
+            or its keys not strictly ascending from 0); ``reduction`` not in
             ``("mean", "sum")``; ``nonfinite`` other than ``"propagate"`` or
             an ``accumulator_dtype``; ``inner_optimizer`` is a
             ``LossScaleOptimizer`` or already an ``AccumulatingOptimizer``;
@@ -725,6 +749,9 @@ class _Keras2Accumulating:
         )
 
     # --------------------------------------------------------- partial window
+    # Not converted by AutoGraph (as `apply_gradients`): explicit `tf.cond`s
+    # only; converted, `tf.function(opt.flush)` fails to trace.
+    @tf.autograph.experimental.do_not_convert
     def flush(self) -> None:
         """Apply the current, partial window now as one update, if it holds
         at least one micro-step; a no-op on an empty window.

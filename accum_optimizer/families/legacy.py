@@ -194,7 +194,13 @@ class _LegacyAccumulating:
             update counts.
         gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
             micro-steps per update. ``1`` is a pass-through to the inner
-            optimizer (no accumulators are created).
+            optimizer (no accumulators are created). Or a schedule over
+            updates: a dict ``{first_update: N, ...}`` (piecewise constant,
+            int keys strictly ascending from 0; kept in ``get_config``) or a
+            callable ``update_index -> N`` (an int64 scalar tensor in, an int
+            or int scalar tensor out; ``get_config`` needs it registered with
+            the package's ``register_keras_serializable``): a window that
+            starts at update ``u`` has ``N(u)`` micro-steps.
         reduction: ``"mean"`` (default) applies ``sum / N``, equivalent to the
             large batch for a mean-reduced loss; ``"sum"`` applies the sum.
         name: optional name of the wrapper.
@@ -215,6 +221,19 @@ class _LegacyAccumulating:
             ``(shape[0],)`` vector marking the rows that sparse gradients
             touched in the window (2 bytes per row; float so that a summed
             ``ON_READ`` mark survives a restore across replicas).
+        ``mini_step``: int64 scalar, micro-steps in the current window (its
+            position); -1 until the first micro-step or :meth:`flush`
+            ("unknown": then ``micro_steps % N``, what it was in weights
+            saved before it existed).
+        ``window_weight``: float32 scalar, the window's ``Σ cᵢ`` (each
+            micro-step's ``weight``, 1 without one); ``ON_READ`` summed
+            under ``tf.distribute``.
+        (Those two come last in :attr:`weights`, after the inner
+        optimizer's: weights saved without them restore.)
+
+    Weighted micro-batches (``apply_gradients(..., weight=c)``), the partial
+    window (:meth:`flush`) and schedules follow the Keras 3 family; the
+    window's gradient is ``Σ cᵢ·gᵢ / Σ cᵢ`` under ``"mean"``.
 
     Sparse gradients (``tf.IndexedSlices``, from ``Embedding``) are
     scatter-added, never densified per micro-step, and the update hands the
@@ -233,9 +252,11 @@ class _LegacyAccumulating:
 
     Raises:
         TypeError: ``inner_optimizer`` is not a legacy optimizer of this
-            package, ``gradient_accumulation_steps`` is not an int, or an
+            package, ``gradient_accumulation_steps`` is not an int, dict or
+            callable (or a schedule key or value is not an int), or an
             unknown keyword argument is passed.
-        ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
+        ValueError: ``gradient_accumulation_steps < 1`` (or a schedule's N,
+            or its keys not strictly ascending from 0); ``reduction`` not in
             ``("mean", "sum")``; the inner optimizer already accumulates or
             is a ``LossScaleOptimizer``; base-optimizer arguments
             (``clipnorm``, ``learning_rate``, ...) passed to the wrapper
@@ -593,6 +614,9 @@ class _LegacyAccumulating:
         )
 
     # --------------------------------------------------------- partial window
+    # Not converted by AutoGraph (as `apply_gradients`): explicit `tf.cond`s
+    # only; converted, `tf.function(opt.flush)` fails to trace.
+    @tf.autograph.experimental.do_not_convert
     def flush(self) -> None:
         """Apply the current, partial window now as one update, if it holds
         at least one micro-step; a no-op on an empty window.

@@ -118,6 +118,18 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             hands the inner optimizer the window's touched rows as
             ``tf.IndexedSlices``, as the large batch would, so lazy sparse
             updates (``MomentumOptimizer``'s) match it.
+        ``mini_step`` (int64 scalar, the window's position; -1 until the
+            first run, then ``micro_steps % N``: a checkpoint saved without
+            it, restored with a ``Saver`` over the other variables, resumes
+            exactly) and ``window_weight`` (float32 scalar, the window's
+            ``Σ cᵢ``), after the accumulators in :meth:`accumulation_variables`.
+
+    Weighted micro-batches (``minimize``/``apply_gradients(..., weight=c)``,
+    ``c`` a number or a tensor such as a placeholder) and the partial window
+    (:meth:`flush`, an op to run at the end of an epoch) follow the Keras 3
+    family; the window's gradient is ``Σ cᵢ·gᵢ / Σ cᵢ`` under ``"mean"``.
+    Accumulation schedules are not supported here (TF1 optimizers have no
+    update counter of their own).
 
     One wrapper is one window: every run of any op it returned is a micro-step
     of the same window, and the update applies every variable that had a
