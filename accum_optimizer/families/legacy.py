@@ -314,6 +314,8 @@ class _LegacyAccumulating:
         self.reduction = reduction
         self._built = False
         self._sparse_seen: set[int] = set()
+        self._gating_depth = 0
+        self._gating_undo: Any = None
         self._var_key = _var_key_fn(self._keras)
 
     # ------------------------------------------------------------------ state
@@ -692,6 +694,25 @@ class _LegacyAccumulating:
         if not gates:
             yield
             return
+        # Under MirroredStrategy every replica runs this, interleaved at the
+        # inner optimizer's merge_call: the patches are installed by the
+        # first replica to enter (its gates: the replicas' gates are equal,
+        # they come from the mirrored `grad_received`) and removed when the
+        # last one leaves.
+        if self._gating_depth == 0:
+            self._gating_undo = self._install_gates(gates)
+        self._gating_depth += 1
+        try:
+            yield
+        finally:
+            self._gating_depth -= 1
+            if self._gating_depth == 0:
+                undo, self._gating_undo = self._gating_undo, []
+                undo()
+
+    def _install_gates(self, gates: dict) -> Any:
+        """Install the patches of :meth:`_gate_inner_updates`; return the
+        function that removes them."""
         gates = {self._var_key(self._trainable[i]): g for i, g in gates.items()}
         patched = []
         for opt in _optimizer_tree(self.inner_optimizer):
@@ -714,14 +735,15 @@ class _LegacyAccumulating:
                 c = component._constraint
                 constrained.append((component, c))
                 component._constraint = lambda x, gate=gate, c=c: tf.cond(gate, lambda: c(x), lambda: tf.identity(x))
-        try:
-            yield
-        finally:
+
+        def undo() -> None:
             for opt in patched:
                 object.__delattr__(opt, "_resource_apply_dense")
                 object.__delattr__(opt, "_resource_apply_sparse_duplicate_indices")
             for component, c in constrained:
                 component._constraint = c
+
+        return undo
 
     # ---------------------------------------------------------- serialization
     def get_config(self) -> dict:
