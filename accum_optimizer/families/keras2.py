@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from accum_optimizer import _accumulation as acc_lib
 from accum_optimizer import _dispatch
-from accum_optimizer.families._keras2_schedules import deserialize_schedule, serialize_schedule
+from accum_optimizer.families._keras2_common import deserialize_schedule, serialize_schedule, weighted_windows
 
 # Arguments of the Keras 2 `Optimizer.__init__` that belong on the inner
 # optimizer, with their defaults (accepted when equal to the default, or None,
@@ -746,6 +746,7 @@ class _Keras2Accumulating:
             each_replica,
             weight=weight,
             replicas=_replicas_in_sync(),
+            weighted=weighted_windows(self, weight, _replicas_in_sync()),
         )
 
     # --------------------------------------------------------- partial window
@@ -799,7 +800,7 @@ class _Keras2Accumulating:
         self._resume_position(each_replica)
         acc_lib.flush(
             _TFBackend(), self._window_state(), self._apply_inner, self.reduction, each_replica,
-            replicas=_replicas_in_sync(),
+            replicas=_replicas_in_sync(), weighted=bool(self.__dict__.get("_weights_seen")),
         )
 
     def _apply_inner(self, window_grads: list, gates: dict) -> None:

@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from accum_optimizer import _accumulation as acc_lib
 from accum_optimizer import _dispatch
-from accum_optimizer.families._keras2_schedules import deserialize_schedule, serialize_schedule
+from accum_optimizer.families._keras2_common import deserialize_schedule, serialize_schedule, weighted_windows
 
 # Arguments of `OptimizerV2.__init__` (and of common subclasses) that belong on
 # the inner optimizer, with their defaults (accepted when equal to the
@@ -613,6 +613,7 @@ class _LegacyAccumulating:
             each_replica,
             weight=weight,
             replicas=tf.distribute.get_strategy().num_replicas_in_sync,
+            weighted=weighted_windows(self, weight, tf.distribute.get_strategy().num_replicas_in_sync),
         )
 
     # --------------------------------------------------------- partial window
@@ -669,6 +670,7 @@ class _LegacyAccumulating:
         acc_lib.flush(
             _Backend(), state, self._apply_inner, self.reduction, each_replica,
             replicas=tf.distribute.get_strategy().num_replicas_in_sync,
+            weighted=bool(self.__dict__.get("_weights_seen")),
         )
 
     def _apply_inner(self, window_grads: list, gates: dict) -> None:
