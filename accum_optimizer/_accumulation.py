@@ -680,6 +680,44 @@ def close_window(
     )
 
 
+UNKNOWN_POSITION = -1
+"""``mini_step`` of an adapter that creates it with this value ("not known
+yet", see :func:`resume_position`)."""
+
+
+def resume_position(
+    backend: Backend, state: WindowState, gradient_accumulation_steps: Any, each_replica: Callable[..., Any] | None = None
+) -> Any:
+    """If ``mini_step`` is :data:`UNKNOWN_POSITION` (a fresh optimizer, or
+    state restored from a checkpoint saved before ``mini_step`` existed):
+    ``mini_step = micro_steps % N`` (0 under a schedule: no such checkpoint
+    has one) and, in each replica, ``window_weight = mini_step`` (every
+    micro-step of such a window counted 1). What the window's position was
+    before it had its own counter, so that such a checkpoint resumes exactly.
+    One scalar ``cond``. For adapters whose checkpoints restore lazily and
+    by name (``tf.train.Checkpoint``, TF1 ``Saver`` with a ``var_list``),
+    where a missing variable keeps its initial value: they create
+    ``mini_step`` with :data:`UNKNOWN_POSITION` and call this before every
+    :func:`micro_step` and :func:`flush`."""
+    each_replica = each_replica or _call
+    mini_step = state.mini_step
+
+    def derive() -> Any:
+        if isinstance(gradient_accumulation_steps, numbers.Integral):
+            position = tf.math.floormod(tf.convert_to_tensor(state.micro_steps), int(gradient_accumulation_steps))
+        else:
+            position = tf.zeros([], mini_step.dtype)
+        position = tf.cast(position, mini_step.dtype)
+        counted = each_replica(_set_count, backend, state.window_weight, position)
+        return [backend.assign(mini_step, position), counted]
+
+    return backend.cond(tf.less(tf.convert_to_tensor(mini_step), 0), derive, _noop)
+
+
+def _set_count(backend: Backend, window_weight: Any, position: Any) -> Any:
+    return backend.assign(window_weight, tf.cast(position, window_weight.dtype))
+
+
 def restart_window(backend: Backend, state: WindowState) -> list:
     """``grad_received = 0`` and ``mini_step = 0`` (cross-replica counters)."""
     done = [backend.assign(state.grad_received, tf.zeros_like(state.grad_received))]

@@ -229,8 +229,8 @@ def test_inner_state_is_saved_exactly_once_in_every_format(runs):
     d = runs.dir
     model = load("keras", os.path.join(d, PATHS["keras"]))
     opt = model.optimizer
-    n_vars = len(opt.variables)  # own (2 counters + 4 slots) + inner's
-    assert n_vars == len(opt._variables) + len(opt.inner_optimizer.variables) == 6 + 13
+    n_vars = len(opt.variables)  # own (2 counters + 4 slots) + inner's + mini_step, window_weight
+    assert n_vars == len(opt._variables) + len(opt.inner_optimizer.variables) + 2 == 6 + 13 + 2
     # .keras: one store for the wrapper, holding each variable once; none
     # for the inner optimizer.
     with zipfile.ZipFile(os.path.join(d, PATHS["keras"])) as z:

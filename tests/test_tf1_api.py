@@ -85,6 +85,7 @@ def test_state_is_non_trainable_global_and_made_at_graph_construction(mode):
         assert [v.name for v in own] == [
             "AccumulatingOptimizer/micro_steps:0", "AccumulatingOptimizer/grad_received:0",
             "dense/kernel/AccumulatingOptimizer/acc_grad:0", "dense/bias/AccumulatingOptimizer/acc_grad:0",
+            "AccumulatingOptimizer/mini_step:0", "AccumulatingOptimizer/window_weight:0",
         ]
         assert opt.micro_steps is own[0] and opt.get_slot(kernel, "acc_grad") is own[2]
         assert [v.name for v in opt.variables()] == [v.name for v in own + inner.variables()]

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from accum_optimizer import _accumulation as acc_lib
 from accum_optimizer import _dispatch
+from accum_optimizer.families._keras2_common import deserialize_schedule, serialize_schedule, weighted_windows
 
 # Arguments of the Keras 2 `Optimizer.__init__` that belong on the inner
 # optimizer, with their defaults (accepted when equal to the default, or None,
@@ -143,7 +144,14 @@ class _Keras2Accumulating:
             window's gradient, and schedules see update counts.
         gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
             micro-steps per update. ``1`` is a pass-through to the inner
-            optimizer (no accumulator slots are created).
+            optimizer (no accumulator slots are created). Or a schedule over
+            updates: a dict ``{first_update: N, ...}`` (piecewise constant,
+            int keys strictly ascending from 0; kept in ``get_config``) or a
+            callable ``update_index -> N`` (an int64 scalar tensor in, an int
+            or int scalar tensor out; ``get_config`` needs it registered with
+            the package's ``register_keras_serializable``): a window that
+            starts at update ``u`` has ``N(u)`` micro-steps
+            (:func:`accum_optimizer._accumulation.validate_accumulation_schedule`).
         reduction: ``"mean"`` (default) applies ``sum / N``, equivalent to the
             large batch for a mean-reduced loss; ``"sum"`` applies the sum.
         name: optional name of the wrapper (default ``"AccumulatingOptimizer"``).
@@ -160,6 +168,21 @@ class _Keras2Accumulating:
             saving does, gives the sum over replicas).
         ``grad_received``: int64 vector ``(num_trainable_variables,)``, 1
             where a variable has had a gradient in the current window.
+        ``mini_step``: int64 scalar, micro-steps in the current window (its
+            position; units: micro-steps); -1 until the first micro-step or
+            :meth:`flush` ("unknown": then ``micro_steps % N``, what it was in
+            state saved before it existed). After :meth:`flush` or under a
+            schedule it differs from ``micro_steps % N``.
+        ``window_weight``: float32 scalar, the window's ``Σ cᵢ`` (each
+            micro-step's ``weight``, 1 without one); ``ON_READ`` summed
+            under ``tf.distribute``.
+        (``mini_step`` and ``window_weight`` come last in :attr:`variables`,
+        after the inner optimizer's: state saved without them restores.)
+
+    Weighted micro-batches (``apply_gradients(..., weight=c)``), the partial
+    window (:meth:`flush`) and schedules follow the Keras 3 family
+    (``accum_optimizer.families.keras3``); the window's gradient is
+    ``Σ cᵢ·gᵢ / Σ cᵢ`` under ``"mean"``.
 
     ``learning_rate`` and ``lr`` (read and assigned by Keras 2's
     ``LearningRateScheduler`` and ``ReduceLROnPlateau``) forward to the inner
@@ -182,9 +205,11 @@ class _Keras2Accumulating:
 
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras 2 new-API optimizer, or
-            ``gradient_accumulation_steps`` is not an int, or a required
+            ``gradient_accumulation_steps`` is not an int, dict or callable
+            (or a schedule key or value is not an int), or a required
             argument is missing, or an unknown keyword argument is given.
-        ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
+        ValueError: ``gradient_accumulation_steps < 1`` (or a schedule's N,
+            or its keys not strictly ascending from 0); ``reduction`` not in
             ``("mean", "sum")``; ``nonfinite`` other than ``"propagate"`` or
             an ``accumulator_dtype``; ``inner_optimizer`` is a
             ``LossScaleOptimizer`` or already an ``AccumulatingOptimizer``;
@@ -229,7 +254,7 @@ class _Keras2Accumulating:
             inner_optimizer, gradient_accumulation_steps, kwargs,
             accepted=acc_lib.ARGUMENTS + acc_lib.NUMERICS_ARGUMENTS,
         )
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        steps = acc_lib.validate_accumulation_schedule(gradient_accumulation_steps)
         reduction = acc_lib.validate_reduction(reduction)
         # The non-finite policies and wider accumulators of the Keras 3 family
         # are not implemented here yet: their defaults only.
@@ -243,7 +268,11 @@ class _Keras2Accumulating:
         inner = self._resolve_inner(inner_optimizer)
         super().__init__(name=name or "AccumulatingOptimizer", jit_compile=False)
         self.inner_optimizer = inner
-        self.gradient_accumulation_steps = steps
+        # (Not tracked: a dict schedule must stay a plain dict.)
+        self.gradient_accumulation_steps = self._no_dependency(steps)
+        self._window_length = self._no_dependency(acc_lib.window_length(steps))
+        self._window_variables = self._no_dependency([])
+        self._flush_function = self._no_dependency(None)
         self.reduction = reduction
         self._deferred_state = self._no_dependency(None)
         self._skip_aggregation = False
@@ -308,9 +337,25 @@ class _Keras2Accumulating:
         with tf.init_scope():
             with tf.name_scope(self.name):
                 self.micro_steps = self._add_counter(tf.constant(0, tf.int64), "micro_steps")
-                if self.gradient_accumulation_steps > 1:
+                self.mini_step = self.window_weight = None
+                if self._accumulates:
                     self.grad_received = self._add_counter(tf.zeros([len(var_list)], tf.int64), "grad_received")
                     self.acc_grads = [self._add_accumulator(v) for v in var_list]
+                    # The window's position and count, after the inner
+                    # optimizer's variables in `variables` (state saved
+                    # without them, by 0.2.0.dev0 and older, is a prefix).
+                    # `mini_step` starts at -1, "unknown": the first
+                    # micro-step or flush sets it to `micro_steps % N`, what
+                    # it was before it was kept (see `_resume_position`), so
+                    # that a checkpoint saved without it resumes exactly.
+                    self.mini_step = self._add_counter(
+                        tf.constant(acc_lib.UNKNOWN_POSITION, tf.int64), "mini_step", keep=False
+                    )
+                    self.window_weight = tf.Variable(
+                        tf.constant(0.0, tf.float32), trainable=False, name="window_weight",
+                        synchronization=_ON_READ, aggregation=tf.VariableAggregation.SUM,
+                    )
+                    self._window_variables[:] = [self.mini_step, self.window_weight]
                 else:
                     self.grad_received = None
                     self.acc_grads = []
@@ -323,15 +368,22 @@ class _Keras2Accumulating:
             with tf.init_scope():
                 self.load_own_variables(state)
 
-    def _add_counter(self, initial_value: Any, name: str) -> tf.Variable:
+    def _add_counter(self, initial_value: Any, name: str, keep: bool = True) -> tf.Variable:
         variable = tf.Variable(
             initial_value,
             trainable=False,
             name=name,
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        self._variables.append(variable)
+        if keep:
+            self._variables.append(variable)
         return variable
+
+    @property
+    def _accumulates(self) -> bool:
+        """Whether micro-steps go through windows (else: the pass-through)."""
+        steps = self.gradient_accumulation_steps
+        return not isinstance(steps, int) or steps > 1
 
     def _add_accumulator(self, reference: Any) -> tf.Variable:
         """One slot per trainable variable: a replica-local (``ON_READ``,
@@ -351,9 +403,11 @@ class _Keras2Accumulating:
     @property
     def variables(self) -> list:
         """The wrapper's variables (``micro_steps``, ``grad_received``,
-        ``acc_grads``) followed by all of the inner optimizer's (a
-        ``CallableList``, as Keras 2 returns)."""
-        return self._callable_list(list(self._variables) + list(self.inner_optimizer.variables))
+        ``acc_grads``), all of the inner optimizer's, then ``mini_step`` and
+        ``window_weight`` (a ``CallableList``, as Keras 2 returns)."""
+        return self._callable_list(
+            list(self._variables) + list(self.inner_optimizer.variables) + list(self._window_variables)
+        )
 
     def __dir__(self):
         # The `.keras` format walks `dir()` for child objects to save. The
@@ -418,6 +472,10 @@ class _Keras2Accumulating:
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Assign ``weights`` (arrays in the order of :attr:`variables`).
 
+        Weights saved before ``mini_step`` and ``window_weight`` existed
+        (0.2.0.dev0 and older: all but those two) are accepted; the window's
+        position is then ``micro_steps % N`` again.
+
         Raises:
             ValueError: the optimizer is not built, or the number or shapes of
                 ``weights`` do not match :attr:`variables`.
@@ -427,8 +485,8 @@ class _Keras2Accumulating:
                 "set_weights() needs a built optimizer; call "
                 "`optimizer.build(trainable_variables)` first."
             )
-        variables = self.variables
         weights = list(weights)
+        variables = self._saved_layout(len(weights))
         if len(weights) != len(variables):
             raise ValueError(
                 f"`weights` must have one array per optimizer variable: expected "
@@ -444,6 +502,24 @@ class _Keras2Accumulating:
                 )
         for variable, weight in zip(variables, weights):
             variable.assign(np.asarray(weight))
+        self._forget_position(variables)
+
+    def _saved_layout(self, saved: int) -> list:
+        """The variables that ``saved`` saved arrays fill: :attr:`variables`,
+        or, for state saved without the window's ``mini_step`` and
+        ``window_weight`` (0.2.0.dev0 and older), all but those two."""
+        variables = list(self.variables)
+        window = len(self._window_variables)
+        if window and saved == len(variables) - window:
+            return variables[:saved]
+        return variables
+
+    def _forget_position(self, restored: Sequence[Any]) -> None:
+        """After restoring state without ``mini_step``: mark it unknown (-1),
+        so that the next micro-step derives it from ``micro_steps``."""
+        if self.mini_step is not None and not any(v is self.mini_step for v in restored):
+            self.mini_step.assign(acc_lib.UNKNOWN_POSITION)
+            self.window_weight.assign(0.0)
 
     def load_own_variables(self, store: Mapping[str, Any]) -> None:
         """Restore state saved by ``save_own_variables`` (the ``.keras`` and
@@ -462,7 +538,7 @@ class _Keras2Accumulating:
         if not getattr(self, "_built", False):
             self._deferred_state = self._no_dependency({k: np.asarray(store[k]) for k in store.keys()})
             return
-        variables = self.variables
+        variables = self._saved_layout(len(store.keys()))
         if len(store.keys()) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{self.name}': it has "
@@ -472,6 +548,7 @@ class _Keras2Accumulating:
             )
         for i, variable in enumerate(variables):
             variable.assign(np.asarray(store[str(i)]))
+        self._forget_position(variables)
 
     # ------------------------------------------------------------ micro-step
     # Not converted by AutoGraph: the micro-step branches with explicit
@@ -484,6 +561,7 @@ class _Keras2Accumulating:
         grads_and_vars: Iterable[tuple[Any, Any]],
         name: str | None = None,
         skip_gradients_aggregation: bool = False,
+        weight: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Take one micro-step with ``grads_and_vars``.
@@ -495,14 +573,30 @@ class _Keras2Accumulating:
         optimizer's update: pass it when the gradients are already
         all-reduced across replicas.
 
+        ``weight``: the micro-batch's count ``c``, what its mean loss was
+        taken over (samples, sum of sample weights, unmasked tokens): a
+        Python number or a scalar tensor >= 0, finite; it may differ per
+        micro-step (checked by :func:`accum_optimizer._accumulation.check_weight`).
+        The window applies ``Σ cᵢ·gᵢ / Σ cᵢ`` (``"mean"``) or ``Σ cᵢ·gᵢ``
+        (``"sum"``); a window whose counts sum to 0 applies nothing (the
+        inner optimizer is not called, ``iterations`` does not move).
+        ``None`` (default): 1, the unweighted window. Under ``tf.distribute``
+        each replica passes its own count, and its gradient is its mean
+        loss's divided by the replica count, as ``fit`` forms it. The Keras 3
+        family's semantics (``accum_optimizer.families.keras3``).
+
         Returns:
             ``iterations`` (updates taken).
 
         Raises:
             ValueError: a gradient's shape differs from its variable's; every
                 gradient is ``None``; a variable is unknown to the optimizer;
-                called in cross-replica context.
-            TypeError: an unexpected keyword argument.
+                called in cross-replica context; ``weight`` is not a scalar,
+                is negative or not finite (inside ``tf.function``:
+                ``InvalidArgumentError`` when the step runs, before any state
+                changes).
+            TypeError: an unexpected keyword argument; ``weight`` is not a
+                number.
         """
         aggregate = kwargs.pop("experimental_aggregate_gradients", True)
         if kwargs:
@@ -511,14 +605,17 @@ class _Keras2Accumulating:
                 f"{', '.join(sorted(kwargs))}. Accepted: grads_and_vars, name, "
                 "skip_gradients_aggregation, experimental_aggregate_gradients."
             )
+        weight = acc_lib.check_weight(weight)
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return self.iterations
         grads, trainable_variables = zip(*grads_and_vars)
-        self._apply(list(grads), list(trainable_variables), skip_gradients_aggregation or not aggregate, name)
+        self._apply(list(grads), list(trainable_variables), skip_gradients_aggregation or not aggregate, name, weight)
         return self.iterations
 
-    def _apply(self, grads: list, trainable_variables: list, skip_aggregation: bool, name: str | None) -> None:
+    def _apply(
+        self, grads: list, trainable_variables: list, skip_aggregation: bool, name: str | None, weight: Any = None
+    ) -> None:
         grads = [
             g if g is None or _is_tensor_like(g) else tf.convert_to_tensor(g, dtype=v.dtype)
             for g, v in zip(grads, trainable_variables)
@@ -532,17 +629,32 @@ class _Keras2Accumulating:
                 self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
         with tf.name_scope(name or self.name):
-            self._micro_step_call(grads, trainable_variables, skip_aggregation)
+            self._micro_step_call(grads, trainable_variables, skip_aggregation, weight)
 
-    def _micro_step_call(self, grads: list, trainable_variables: list, skip_aggregation: bool) -> None:
-        if self.gradient_accumulation_steps == 1:
+    def _micro_step_call(
+        self, grads: list, trainable_variables: list, skip_aggregation: bool, weight: Any = None
+    ) -> None:
+        if not self._accumulates:
             # Pass-through; its writes, too, wait for the gradients (see
             # `_accumulation`: a phantom call at the end of an input of
             # unknown length must not count).
-            with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
-                self.inner_optimizer.apply_gradients(
-                    zip(grads, trainable_variables), skip_gradients_aggregation=skip_aggregation
-                )
+            with tf.control_dependencies(acc_lib.gradient_tensors(grads + [weight])):
+                if weight is None:
+                    self.inner_optimizer.apply_gradients(
+                        zip(grads, trainable_variables), skip_gradients_aggregation=skip_aggregation
+                    )
+                else:
+                    # A window of one micro-step: c·g/c = g ("mean") or c·g
+                    # ("sum"); a count of 0 applies nothing.
+                    if self.reduction == "sum":
+                        grads = [None if g is None else acc_lib.scaled(g, weight) for g in grads]
+                    tf.cond(
+                        weight > 0,
+                        lambda: _none(self.inner_optimizer.apply_gradients(
+                            zip(grads, trainable_variables), skip_gradients_aggregation=skip_aggregation
+                        )),
+                        _noop,
+                    )
                 self.micro_steps.assign_add(1, read_value=False)
             return
         # Put the gradients in build order; variables absent from this call
@@ -551,7 +663,7 @@ class _Keras2Accumulating:
         for g, v in zip(grads, trainable_variables):
             full[self._index_dict[self._var_key(v)]] = g
         self._skip_aggregation = skip_aggregation
-        self._tf_apply(full)
+        self._tf_apply(full, weight)
 
     def _check_variables_are_known(self, variables: Sequence[Any]) -> None:
         for v in variables:
@@ -564,7 +676,7 @@ class _Keras2Accumulating:
                     "with every variable before the first step)."
                 )
 
-    def _tf_apply(self, grads: list) -> None:
+    def _tf_apply(self, grads: list, weight: Any = None) -> None:
         """The only place that knows about ``tf.distribute``.
 
         Under a strategy that needs ``merge_call`` (``MirroredStrategy``), the
@@ -593,27 +705,102 @@ class _Keras2Accumulating:
             for g, v in zip(grads, self._trainable_variables)
         ]
         if not tf.distribute.has_strategy() or tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._micro_step(checked)
+            self._micro_step(checked, weight=weight)
             return
-        tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
+        tf.distribute.get_replica_context().merge_call(
+            self._cross_replica_step, args=(checked,), kwargs={"weight": weight}
+        )
 
-    def _cross_replica_step(self, distribution: Any, grads: list) -> None:
+    def _cross_replica_step(self, distribution: Any, grads: list, weight: Any = None) -> None:
         # Runs once, in cross-replica context, for all replicas (`grads` holds
         # per-replica values; which are None is the same in every replica).
-        def each_replica(fn, *args):
-            return distribution.extended.call_for_each_replica(fn, args=args)
+        self._micro_step(grads, _each_replica_of(distribution), weight)
 
-        self._micro_step(grads, each_replica)
+    def _window_state(self) -> acc_lib.WindowState:
+        return acc_lib.WindowState(
+            self.acc_grads,
+            self.micro_steps,
+            self.grad_received,
+            mini_step=self.mini_step,
+            window_weight=self.window_weight,
+            updates=self.inner_optimizer.iterations,
+        )
 
-    def _micro_step(self, grads: list, each_replica: Any = None) -> None:
+    def _resume_position(self, each_replica: Any) -> None:
+        """:func:`accum_optimizer._accumulation.resume_position`: a
+        ``mini_step`` of -1 (fresh, or restored from a checkpoint saved
+        without it) becomes ``micro_steps % N``."""
+        acc_lib.resume_position(_TFBackend(), self._window_state(), self.gradient_accumulation_steps, each_replica)
+
+    def _micro_step(self, grads: list, each_replica: Any = None, weight: Any = None) -> None:
+        # (Ordered by automatic control dependencies: both touch `mini_step`.)
+        with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
+            self._resume_position(each_replica)
         acc_lib.micro_step(
             _TFBackend(),
-            acc_lib.WindowState(self.acc_grads, self.micro_steps, self.grad_received),
+            self._window_state(),
             grads,
             self._apply_inner,
-            self.gradient_accumulation_steps,
+            self._window_length,
             self.reduction,
             each_replica,
+            weight=weight,
+            replicas=_replicas_in_sync(),
+            weighted=weighted_windows(self, weight, _replicas_in_sync()),
+        )
+
+    # --------------------------------------------------------- partial window
+    # Not converted by AutoGraph (as `apply_gradients`): explicit `tf.cond`s
+    # only; converted, `tf.function(opt.flush)` fails to trace.
+    @tf.autograph.experimental.do_not_convert
+    def flush(self) -> None:
+        """Apply the current, partial window now as one update, if it holds
+        at least one micro-step; a no-op on an empty window.
+
+        The update is normalised by what the window holds (``"mean"``: its
+        micro-steps, or the sum of their counts when weighted; never by N),
+        what a large batch of the window's samples would apply; then a new
+        window starts. ``iterations`` moves by one, ``micro_steps`` does
+        not, and ``mini_step`` restarts at 0. Works eagerly and inside
+        ``tf.function``, with or without a ``tf.distribute`` strategy (call
+        it in cross-replica context, where ``fit`` is called); runs in the
+        strategy the optimizer was created under. A window whose counts sum
+        to 0 applies nothing. :func:`accum_optimizer._accumulation.flush`,
+        as the Keras 3 family's ``flush``.
+
+        Raises:
+            ValueError: called inside ``strategy.run`` (replica context).
+        """
+        if not getattr(self, "_built", False) or not self._accumulates:
+            return
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "AccumulatingOptimizer.flush() must be called in cross-replica "
+                "context (outside strategy.run), like model.fit."
+            )
+        if self._flush_function is None:
+            # (One function per optimizer: tf.function's retracing warning
+            # would count one shared bound method across instances.)
+            self._flush_function = self._no_dependency(tf.function(lambda: self._flush_step(), autograph=False))
+        strategy = self._distribution_strategy
+        scope = strategy.scope() if strategy is not None and not tf.distribute.has_strategy() else contextlib.nullcontext()
+        with scope:
+            self._flush_function()
+
+    def _flush_step(self) -> None:
+        if not tf.distribute.has_strategy():
+            self._flush_window()
+            return
+        tf.distribute.get_strategy().run(
+            lambda: tf.distribute.get_replica_context().merge_call(lambda d: self._flush_window(d))
+        )
+
+    def _flush_window(self, distribution: Any = None) -> None:
+        each_replica = None if distribution is None else _each_replica_of(distribution)
+        self._resume_position(each_replica)
+        acc_lib.flush(
+            _TFBackend(), self._window_state(), self._apply_inner, self.reduction, each_replica,
+            replicas=_replicas_in_sync(), weighted=bool(self.__dict__.get("_weights_seen")),
         )
 
     def _apply_inner(self, window_grads: list, gates: dict) -> None:
@@ -667,7 +854,7 @@ class _Keras2Accumulating:
         return {
             "name": self.name,
             "inner_optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_accumulation_steps": serialize_schedule(self._keras, self.gradient_accumulation_steps),
             "reduction": self.reduction,
             # Keras 2's `optimizers.deserialize` reads this to choose between
             # the new and the legacy optimizer classes.
@@ -680,7 +867,19 @@ class _Keras2Accumulating:
         inner = config.pop("inner_optimizer")
         if isinstance(inner, dict):
             inner = _deserialize(cls._keras, inner, custom_objects)
+        config = deserialize_schedule(cls._keras, config, custom_objects)
         return cls(inner, **config)
+
+
+def _each_replica_of(distribution: Any) -> Any:
+    def each_replica(fn, *args):
+        return distribution.extended.call_for_each_replica(fn, args=args)
+
+    return each_replica
+
+
+def _replicas_in_sync() -> int:
+    return tf.distribute.get_strategy().num_replicas_in_sync
 
 
 class _Gating:

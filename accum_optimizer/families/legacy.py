@@ -36,10 +36,12 @@ import copy
 import sys
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from accum_optimizer import _accumulation as acc_lib
 from accum_optimizer import _dispatch
+from accum_optimizer.families._keras2_common import deserialize_schedule, serialize_schedule, weighted_windows
 
 # Arguments of `OptimizerV2.__init__` (and of common subclasses) that belong on
 # the inner optimizer, with their defaults (accepted when equal to the
@@ -192,7 +194,13 @@ class _LegacyAccumulating:
             update counts.
         gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
             micro-steps per update. ``1`` is a pass-through to the inner
-            optimizer (no accumulators are created).
+            optimizer (no accumulators are created). Or a schedule over
+            updates: a dict ``{first_update: N, ...}`` (piecewise constant,
+            int keys strictly ascending from 0; kept in ``get_config``) or a
+            callable ``update_index -> N`` (an int64 scalar tensor in, an int
+            or int scalar tensor out; ``get_config`` needs it registered with
+            the package's ``register_keras_serializable``): a window that
+            starts at update ``u`` has ``N(u)`` micro-steps.
         reduction: ``"mean"`` (default) applies ``sum / N``, equivalent to the
             large batch for a mean-reduced loss; ``"sum"`` applies the sum.
         name: optional name of the wrapper.
@@ -213,6 +221,19 @@ class _LegacyAccumulating:
             ``(shape[0],)`` vector marking the rows that sparse gradients
             touched in the window (2 bytes per row; float so that a summed
             ``ON_READ`` mark survives a restore across replicas).
+        ``mini_step``: int64 scalar, micro-steps in the current window (its
+            position); -1 until the first micro-step or :meth:`flush`
+            ("unknown": then ``micro_steps % N``, what it was in weights
+            saved before it existed).
+        ``window_weight``: float32 scalar, the window's ``Σ cᵢ`` (each
+            micro-step's ``weight``, 1 without one); ``ON_READ`` summed
+            under ``tf.distribute``.
+        (Those two come last in :attr:`weights`, after the inner
+        optimizer's: weights saved without them restore.)
+
+    Weighted micro-batches (``apply_gradients(..., weight=c)``), the partial
+    window (:meth:`flush`) and schedules follow the Keras 3 family; the
+    window's gradient is ``Σ cᵢ·gᵢ / Σ cᵢ`` under ``"mean"``.
 
     Sparse gradients (``tf.IndexedSlices``, from ``Embedding``) are
     scatter-added, never densified per micro-step, and the update hands the
@@ -231,9 +252,11 @@ class _LegacyAccumulating:
 
     Raises:
         TypeError: ``inner_optimizer`` is not a legacy optimizer of this
-            package, ``gradient_accumulation_steps`` is not an int, or an
+            package, ``gradient_accumulation_steps`` is not an int, dict or
+            callable (or a schedule key or value is not an int), or an
             unknown keyword argument is passed.
-        ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
+        ValueError: ``gradient_accumulation_steps < 1`` (or a schedule's N,
+            or its keys not strictly ascending from 0); ``reduction`` not in
             ``("mean", "sum")``; the inner optimizer already accumulates or
             is a ``LossScaleOptimizer``; base-optimizer arguments
             (``clipnorm``, ``learning_rate``, ...) passed to the wrapper
@@ -276,7 +299,7 @@ class _LegacyAccumulating:
                     "where it acts once per update on the window's gradient."
                 )
         acc_lib.check_arguments(inner_optimizer, gradient_accumulation_steps, kwargs)
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
+        steps = acc_lib.validate_accumulation_schedule(gradient_accumulation_steps)
         reduction = acc_lib.validate_reduction(reduction)
         inner = _resolve_inner(inner_optimizer, self._keras)
         super().__init__(name)
@@ -284,9 +307,15 @@ class _LegacyAccumulating:
         self.inner_optimizer = inner
         self._track_trackable(inner, "inner_optimizer")
         self.gradient_accumulation_steps = steps
+        self._window_length = acc_lib.window_length(steps)
+        self._window_weights: list = []
+        self._flush_function = None
+        self.mini_step = self.window_weight = None
         self.reduction = reduction
         self._built = False
         self._sparse_seen: set[int] = set()
+        self._gating_depth = 0
+        self._gating_undo: Any = None
         self._var_key = _var_key_fn(self._keras)
 
     # ------------------------------------------------------------------ state
@@ -309,7 +338,7 @@ class _LegacyAccumulating:
             )
             own = [self.micro_steps]
             self.acc_grads, self.touched_rows, self.grad_received = [], [], None
-            if self.gradient_accumulation_steps > 1:
+            if self._accumulates:
                 self.grad_received = self.add_weight(
                     "grad_received", shape=[len(var_list)], dtype=tf.int64, trainable=False,
                     aggregation=first,
@@ -323,6 +352,18 @@ class _LegacyAccumulating:
                             rows = self._replica_local(f"touched_rows_{i}", v.shape[:1], tf.float16)
                         self.touched_rows.append(rows)
                 own += self.acc_grads + [r for r in self.touched_rows if r is not None]
+                # The window's position and count, after the inner
+                # optimizer's weights (weights saved without them, by
+                # 0.2.0.dev0 and older, are a prefix). `mini_step` starts at
+                # -1, "unknown": the first micro-step or flush sets it to
+                # `micro_steps % N` (`_accumulation.resume_position`), so that
+                # a checkpoint saved without it resumes exactly.
+                self.mini_step = self.add_weight(
+                    "mini_step", shape=[], dtype=tf.int64, trainable=False, aggregation=first,
+                    initializer=_unknown_position,
+                )
+                self.window_weight = self._replica_local("window_weight", [], tf.float32)
+                self._window_weights[:] = [self.mini_step, self.window_weight]
             self._weights.extend(own)
             self.inner_optimizer._create_all_weights(var_list)
         self._built = True
@@ -338,10 +379,44 @@ class _LegacyAccumulating:
         self.build(var_list)
 
     @property
+    def _accumulates(self) -> bool:
+        """Whether micro-steps go through windows (else: the pass-through)."""
+        steps = self.gradient_accumulation_steps
+        return not isinstance(steps, int) or steps > 1
+
+    @property
     def weights(self) -> list:
         """The wrapper's variables (``micro_steps``, ``grad_received``,
-        accumulators, row trackers) followed by the inner optimizer's."""
-        return self._weights + list(self.inner_optimizer.weights)
+        accumulators, row trackers), the inner optimizer's, then
+        ``mini_step`` and ``window_weight``."""
+        return self._weights + list(self.inner_optimizer.weights) + self._window_weights
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Assign ``weights`` (arrays in the order of :attr:`weights`), as
+        ``OptimizerV2.set_weights``; weights saved before ``mini_step`` and
+        ``window_weight`` existed (0.2.0.dev0 and older: all but those two)
+        are accepted too, and the window's position is then
+        ``micro_steps % N`` again.
+
+        Raises:
+            ValueError: the number or shapes of ``weights`` do not match.
+        """
+        weights = list(weights)
+        window = len(self._window_weights)
+        if not window or len(weights) != len(self.weights) - window:
+            super().set_weights(weights)
+            return
+        params = self.weights[: len(weights)]
+        for p, w in zip(params, weights):
+            if tuple(p.shape) != tuple(np.shape(w)):
+                raise ValueError(
+                    f"Optimizer weight {p.name!r} has shape {tuple(p.shape)}; "
+                    f"received a weight of shape {tuple(np.shape(w))}."
+                )
+        for p, w in zip(params, weights):
+            p.assign(w)
+        self.mini_step.assign(acc_lib.UNKNOWN_POSITION)
+        self.window_weight.assign(0.0)
 
     def variables(self) -> list:
         return self.weights
@@ -394,6 +469,7 @@ class _LegacyAccumulating:
         grads_and_vars: Iterable[tuple[Any, Any]],
         name: str | None = None,
         experimental_aggregate_gradients: bool = True,
+        weight: Any = None,
     ) -> Any:
         """Take one micro-step with ``grads_and_vars``.
 
@@ -405,6 +481,18 @@ class _LegacyAccumulating:
         as already summed over replicas, and the inner optimizer is told so
         at each update.
 
+        ``weight``: the micro-batch's count ``c``, what its mean loss was
+        taken over (samples, sum of sample weights, unmasked tokens): a
+        Python number or a scalar tensor >= 0, finite; it may differ per
+        micro-step (:func:`accum_optimizer._accumulation.check_weight`). The
+        window applies ``Σ cᵢ·gᵢ / Σ cᵢ`` (``"mean"``) or ``Σ cᵢ·gᵢ``
+        (``"sum"``); a window whose counts sum to 0 applies nothing (the
+        inner optimizer is not called, ``iterations`` does not move).
+        ``None`` (default): 1, the unweighted window. Under ``tf.distribute``
+        each replica passes its own count, and its gradient is its mean
+        loss's divided by the replica count, as ``fit`` forms it. The Keras 3
+        family's semantics.
+
         Returns:
             ``None`` (the update is a ``tf.cond`` inside; read
             :attr:`iterations` and :attr:`micro_steps` for progress).
@@ -412,8 +500,13 @@ class _LegacyAccumulating:
         Raises:
             ValueError: every gradient is ``None``; a gradient's shape differs
                 from its variable's; a variable is not among those of the
-                first call; called in cross-replica context.
+                first call; called in cross-replica context; ``weight`` is not
+                a scalar, is negative or not finite (inside ``tf.function``:
+                ``InvalidArgumentError`` when the step runs, before any state
+                changes).
+            TypeError: ``weight`` is not a number.
         """
+        weight = acc_lib.check_weight(weight)
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return None
@@ -442,15 +535,24 @@ class _LegacyAccumulating:
                 "variable in the first call (a None gradient is fine)."
             )
         self._aggregate = bool(experimental_aggregate_gradients)
-        if self.gradient_accumulation_steps == 1:
+        if not self._accumulates:
             # Pass-through; its writes, too, wait for the gradients (see
             # `_accumulation`: a phantom call at the end of an input of
             # unknown length must not count).
-            with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
-                self.inner_optimizer.apply_gradients(
-                    [(g, v) for g, v in zip(grads, variables) if g is not None],
-                    **self._inner_kwargs(),
-                )
+            with tf.control_dependencies(acc_lib.gradient_tensors(grads + [weight])):
+                if weight is not None and self.reduction == "sum":
+                    grads = [None if g is None else acc_lib.scaled(g, weight) for g in grads]
+                pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+                if weight is None:
+                    self.inner_optimizer.apply_gradients(pairs, **self._inner_kwargs())
+                else:
+                    # A window of one micro-step: c·g/c = g ("mean") or c·g
+                    # ("sum"); a count of 0 applies nothing.
+                    tf.cond(
+                        weight > 0,
+                        lambda: _none(self.inner_optimizer.apply_gradients(pairs, **self._inner_kwargs())),
+                        lambda: None,
+                    )
                 self.micro_steps.assign_add(1)
             return None
         full = [None] * len(self._trainable)
@@ -464,23 +566,31 @@ class _LegacyAccumulating:
             for g, v in zip(full, self._trainable)
         ]
         if not tf.distribute.has_strategy() or tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._micro_step(checked)
+            self._micro_step(checked, weight=weight)
         else:
-            tf.distribute.get_replica_context().merge_call(self._cross_replica_step, args=(checked,))
+            tf.distribute.get_replica_context().merge_call(
+                self._cross_replica_step, args=(checked,), kwargs={"weight": weight}
+            )
         return None
 
     def _inner_kwargs(self) -> dict:
         return {} if self._aggregate else {"experimental_aggregate_gradients": False}
 
-    def _cross_replica_step(self, distribution: Any, grads: list) -> None:
+    def _cross_replica_step(self, distribution: Any, grads: list, weight: Any = None) -> None:
         # Runs once, in cross-replica context, for all replicas (`grads` holds
         # per-replica values; which are None is the same in every replica).
-        def each_replica(fn, *args):
-            return distribution.extended.call_for_each_replica(fn, args=args)
+        self._micro_step(grads, _each_replica_of(distribution), weight)
 
-        self._micro_step(grads, each_replica)
+    def _window_state(self, rows: Any = None) -> acc_lib.WindowState:
+        return acc_lib.WindowState(
+            self.acc_grads, self.micro_steps, self.grad_received, rows,
+            mini_step=self.mini_step, window_weight=self.window_weight, updates=self.inner_optimizer.iterations,
+        )
 
-    def _micro_step(self, grads: list, each_replica: Any = None) -> None:
+    def _sparse_rows(self) -> list:
+        return [t if i in self._sparse_seen else None for i, t in enumerate(self.touched_rows)]
+
+    def _micro_step(self, grads: list, each_replica: Any = None, weight: Any = None) -> None:
         # Row trackers are exposed only for variables that have had sparse
         # gradients (remembered at trace time): `_accumulation.sparse_window`
         # hands a tracked variable without a gradient on the closing
@@ -489,15 +599,78 @@ class _LegacyAccumulating:
         for i, g in enumerate(grads):
             if isinstance(acc_lib._local(g), tf.IndexedSlices):
                 self._sparse_seen.add(i)
-        rows = [t if i in self._sparse_seen else None for i, t in enumerate(self.touched_rows)]
+        state = self._window_state(self._sparse_rows())
+        # (Ordered by automatic control dependencies: both touch `mini_step`.)
+        with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
+            acc_lib.resume_position(_Backend(), state, self.gradient_accumulation_steps, each_replica)
         acc_lib.micro_step(
             _Backend(),
-            acc_lib.WindowState(self.acc_grads, self.micro_steps, self.grad_received, rows),
+            state,
             grads,
             self._apply_inner,
-            self.gradient_accumulation_steps,
+            self._window_length,
             self.reduction,
             each_replica,
+            weight=weight,
+            replicas=tf.distribute.get_strategy().num_replicas_in_sync,
+            weighted=weighted_windows(self, weight, tf.distribute.get_strategy().num_replicas_in_sync),
+        )
+
+    # --------------------------------------------------------- partial window
+    # Not converted by AutoGraph (as `apply_gradients`): explicit `tf.cond`s
+    # only; converted, `tf.function(opt.flush)` fails to trace.
+    @tf.autograph.experimental.do_not_convert
+    def flush(self) -> None:
+        """Apply the current, partial window now as one update, if it holds
+        at least one micro-step; a no-op on an empty window.
+
+        The update is normalised by what the window holds (``"mean"``: its
+        micro-steps, or the sum of their counts when weighted; never by N),
+        what a large batch of the window's samples would apply; then a new
+        window starts. ``iterations`` moves by one, ``micro_steps`` does
+        not, and ``mini_step`` restarts at 0. Works eagerly and inside
+        ``tf.function``, with or without a ``tf.distribute`` strategy (call
+        it in cross-replica context, where ``fit`` is called); runs in the
+        strategy the optimizer was created under. Variables that had sparse
+        gradients get the sparse window over their touched rows, as at a
+        window's last micro-step. A window whose counts sum to 0 applies
+        nothing. :func:`accum_optimizer._accumulation.flush`, as the Keras 3
+        family's ``flush``.
+
+        Raises:
+            ValueError: called inside ``strategy.run`` (replica context).
+        """
+        if not self._built or not self._accumulates:
+            return
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "AccumulatingOptimizer.flush() must be called in cross-replica "
+                "context (outside strategy.run), like model.fit."
+            )
+        if self._flush_function is None:
+            # (One function per optimizer: tf.function's retracing warning
+            # would count one shared bound method across instances.)
+            self._flush_function = tf.function(lambda: self._flush_step(), autograph=False)
+        with self._distribution_strategy_scope():
+            self._flush_function()
+
+    def _flush_step(self) -> None:
+        if not tf.distribute.has_strategy():
+            self._flush_window()
+            return
+        tf.distribute.get_strategy().run(
+            lambda: tf.distribute.get_replica_context().merge_call(lambda d: self._flush_window(d))
+        )
+
+    def _flush_window(self, distribution: Any = None) -> None:
+        each_replica = None if distribution is None else _each_replica_of(distribution)
+        self._aggregate = getattr(self, "_aggregate", True)
+        state = self._window_state(self._sparse_rows())
+        acc_lib.resume_position(_Backend(), state, self.gradient_accumulation_steps, each_replica)
+        acc_lib.flush(
+            _Backend(), state, self._apply_inner, self.reduction, each_replica,
+            replicas=tf.distribute.get_strategy().num_replicas_in_sync,
+            weighted=bool(self.__dict__.get("_weights_seen")),
         )
 
     def _apply_inner(self, window_grads: list, gates: dict) -> None:
@@ -523,6 +696,25 @@ class _LegacyAccumulating:
         if not gates:
             yield
             return
+        # Under MirroredStrategy every replica runs this, interleaved at the
+        # inner optimizer's merge_call: the patches are installed by the
+        # first replica to enter (its gates: the replicas' gates are equal,
+        # they come from the mirrored `grad_received`) and removed when the
+        # last one leaves.
+        if self._gating_depth == 0:
+            self._gating_undo = self._install_gates(gates)
+        self._gating_depth += 1
+        try:
+            yield
+        finally:
+            self._gating_depth -= 1
+            if self._gating_depth == 0:
+                undo, self._gating_undo = self._gating_undo, []
+                undo()
+
+    def _install_gates(self, gates: dict) -> Any:
+        """Install the patches of :meth:`_gate_inner_updates`; return the
+        function that removes them."""
         gates = {self._var_key(self._trainable[i]): g for i, g in gates.items()}
         patched = []
         for opt in _optimizer_tree(self.inner_optimizer):
@@ -545,21 +737,22 @@ class _LegacyAccumulating:
                 c = component._constraint
                 constrained.append((component, c))
                 component._constraint = lambda x, gate=gate, c=c: tf.cond(gate, lambda: c(x), lambda: tf.identity(x))
-        try:
-            yield
-        finally:
+
+        def undo() -> None:
             for opt in patched:
                 object.__delattr__(opt, "_resource_apply_dense")
                 object.__delattr__(opt, "_resource_apply_sparse_duplicate_indices")
             for component, c in constrained:
                 component._constraint = c
 
+        return undo
+
     # ---------------------------------------------------------- serialization
     def get_config(self) -> dict:
         return {
             "name": self._name,
             "inner_optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_accumulation_steps": serialize_schedule(self._keras, self.gradient_accumulation_steps),
             "reduction": self.reduction,
         }
 
@@ -572,6 +765,7 @@ class _LegacyAccumulating:
             inner = cls._keras.optimizers.deserialize(
                 copy.deepcopy(inner), custom_objects=custom_objects, use_legacy_optimizer=True
             )
+        config = deserialize_schedule(cls._keras, config, custom_objects)
         return cls(inner, **config)
 
 
@@ -606,6 +800,18 @@ class _Backend:
 
 def _none(_: Any) -> None:
     return None
+
+
+def _unknown_position(shape: Any, dtype: Any = tf.int64, **kwargs: Any) -> Any:
+    """Initializer of ``mini_step``: :data:`_accumulation.UNKNOWN_POSITION`."""
+    return tf.fill(shape, tf.constant(acc_lib.UNKNOWN_POSITION, dtype))
+
+
+def _each_replica_of(distribution: Any) -> Any:
+    def each_replica(fn, *args):
+        return distribution.extended.call_for_each_replica(fn, args=args)
+
+    return each_replica
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -65,12 +65,14 @@ class _Window:
     index: dict  # variable.ref() -> position in `variables`
     state: acc_lib.WindowState | None  # None for gradient_accumulation_steps == 1
     micro_steps: Any
+    global_step: Any = None  # of the first apply_gradients in this graph (for flush)
 
     def own_variables(self) -> list:
         if self.state is None:
             return [self.micro_steps]
         rows = [t for t in (self.state.touched_rows or []) if t is not None]
-        return [self.micro_steps, self.state.grad_received, *self.state.acc_grads, *rows]
+        return [self.micro_steps, self.state.grad_received, *self.state.acc_grads, *rows,
+                self.state.mini_step, self.state.window_weight]
 
 
 class AccumulatingOptimizer(tf1.train.Optimizer):
@@ -116,6 +118,18 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             hands the inner optimizer the window's touched rows as
             ``tf.IndexedSlices``, as the large batch would, so lazy sparse
             updates (``MomentumOptimizer``'s) match it.
+        ``mini_step`` (int64 scalar, the window's position; -1 until the
+            first run, then ``micro_steps % N``: a checkpoint saved without
+            it, restored with a ``Saver`` over the other variables, resumes
+            exactly) and ``window_weight`` (float32 scalar, the window's
+            ``Σ cᵢ``), after the accumulators in :meth:`accumulation_variables`.
+
+    Weighted micro-batches (``minimize``/``apply_gradients(..., weight=c)``,
+    ``c`` a number or a tensor such as a placeholder) and the partial window
+    (:meth:`flush`, an op to run at the end of an epoch) follow the Keras 3
+    family; the window's gradient is ``Σ cᵢ·gᵢ / Σ cᵢ`` under ``"mean"``.
+    Accumulation schedules are not supported here (TF1 optimizers have no
+    update counter of their own).
 
     One wrapper is one window: every run of any op it returned is a micro-step
     of the same window, and the update applies every variable that had a
@@ -271,8 +285,18 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                                 "touched_rows", tf.zeros(v.shape[:1], tf.int8), v, slot=("touched_rows", i)
                             )
                         trackers.append(tracker)
+                # The window's position (-1, "unknown", until the first run:
+                # then `micro_steps % N`, what it was before it was kept, so
+                # that a checkpoint saved without it resumes exactly; see
+                # `_accumulation.resume_position`) and count.
+                with tf.name_scope(f"{self._name}/"):
+                    mini_step = self._own_variable(
+                        "mini_step", tf.constant(acc_lib.UNKNOWN_POSITION, tf.int64), first
+                    )
+                    window_weight = self._own_variable("window_weight", tf.zeros([], tf.float32), first)
                 state = acc_lib.WindowState(
-                    accs, micro_steps, received, trackers if any(t is not None for t in trackers) else None
+                    accs, micro_steps, received, trackers if any(t is not None for t in trackers) else None,
+                    mini_step=mini_step, window_weight=window_weight,
                 )
                 # The slots the inner optimizer's `apply_gradients` would
                 # create (it does so under `init_scope` too), made now: in
@@ -304,6 +328,23 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         self._handle_deferred_dependencies(name=child, trackable=variable)
         return variable
 
+    @property
+    def mini_step(self) -> Any:
+        """int64 scalar variable: micro-steps in the current window (its
+        position) in the current graph; -1 until the first run of a train op
+        or flush (then ``micro_steps % N``). ``None`` before the optimizer
+        is built there, or for ``gradient_accumulation_steps == 1``."""
+        window = self._windows.get(_graph_key())
+        return None if window is None or window.state is None else window.state.mini_step
+
+    @property
+    def window_weight(self) -> Any:
+        """float32 scalar variable: the current window's count ``Σ cᵢ`` (the
+        ``weight`` of each micro-step, 1 without one). ``None`` as for
+        :attr:`mini_step`."""
+        window = self._windows.get(_graph_key())
+        return None if window is None or window.state is None else window.state.window_weight
+
     def variables(self) -> list:
         """Every variable of the optimizer in the current graph: the wrapper's
         (:meth:`accumulation_variables`) followed by the inner optimizer's
@@ -312,7 +353,8 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
 
     def accumulation_variables(self) -> list:
         """The wrapper's own variables in the current graph: ``micro_steps``,
-        ``grad_received``, the accumulators and row trackers. A checkpoint
+        ``grad_received``, the accumulators and row trackers, ``mini_step``
+        and ``window_weight``. A checkpoint
         written without accumulation lacks exactly these (see
         :meth:`non_accumulation_variables`)."""
         window = self._windows.get(_graph_key())
@@ -372,6 +414,8 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                     tracker = window.state.rows_tracker(i)
                     if tracker is not None:
                         children[f"touched_rows_{i}"] = tracker
+                children["mini_step"] = window.state.mini_step
+                children["window_weight"] = window.state.window_weight
         return children
 
     # ------------------------------------------------------------ micro-step
@@ -381,8 +425,27 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         does)."""
         return self._inner.compute_gradients(loss, var_list=var_list, **kwargs)
 
+    def minimize(self, loss: Any, global_step: Any = None, var_list: Any = None,
+                 gate_gradients: int = tf1.train.Optimizer.GATE_OP, aggregation_method: Any = None,
+                 colocate_gradients_with_ops: bool = False, name: str | None = None, grad_loss: Any = None,
+                 weight: Any = None) -> Any:
+        """``tf.compat.v1.train.Optimizer.minimize``, with the micro-step's
+        ``weight`` (see :meth:`apply_gradients`): :meth:`compute_gradients`,
+        then :meth:`apply_gradients`."""
+        if weight is None:
+            return super().minimize(
+                loss, global_step=global_step, var_list=var_list, gate_gradients=gate_gradients,
+                aggregation_method=aggregation_method, colocate_gradients_with_ops=colocate_gradients_with_ops,
+                name=name, grad_loss=grad_loss,
+            )
+        grads_and_vars = self.compute_gradients(
+            loss, var_list=var_list, gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
+        )
+        return self.apply_gradients(grads_and_vars, global_step=global_step, name=name, weight=weight)
+
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], global_step: Any = None,
-                        name: str | None = None) -> Any:
+                        name: str | None = None, weight: Any = None) -> Any:
         """Return the op of one micro-step with ``grads_and_vars``.
 
         Args:
@@ -394,6 +457,15 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 update (every ``gradient_accumulation_steps``-th run), never on
                 the other micro-steps.
             name: name of the returned op (default: the optimizer's name).
+            weight: the micro-batch's count ``c``, what its mean loss was
+                taken over (samples, sum of sample weights, unmasked
+                tokens): a Python number or a scalar tensor (a placeholder
+                too) >= 0, finite; it may differ per run. The window applies
+                ``Σ cᵢ·gᵢ / Σ cᵢ`` (``"mean"``) or ``Σ cᵢ·gᵢ`` (``"sum"``);
+                a window whose counts sum to 0 applies nothing (the inner
+                optimizer is not called, ``global_step`` does not move).
+                ``None`` (default): 1, the unweighted window. The Keras 3
+                family's semantics.
 
         Returns:
             In graph mode the op to run once per micro-batch (also added to
@@ -405,7 +477,9 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             ValueError: ``grads_and_vars`` is empty, lists a variable twice,
                 has no gradient at all, a gradient's shape differs from its
                 variable's, or a variable with a gradient is not one the
-                optimizer was built for.
+                optimizer was built for; ``weight`` is not a scalar, is
+                negative or not finite (a tensor: ``InvalidArgumentError``
+                when the op runs, before any state changes).
             NotImplementedError: called under a ``tf.distribute`` strategy
                 (out of scope for TF1 graph code).
         """
@@ -417,13 +491,14 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 "code. Call it outside strategy.scope(), or use a Keras optimizer "
                 "with the Keras wrapper under a strategy."
             )
+        weight = acc_lib.check_weight(weight)
         pairs = _check_grads_and_vars(grads_and_vars)
         with_grad = [(g, v) for g, v in pairs if g is not None]
         if not with_grad:
             names = [v.name for _, v in pairs]
             raise ValueError(f"No gradients provided for any variable: {names}.")
         if self.gradient_accumulation_steps == 1:
-            return self._pass_through(pairs, global_step, name)
+            return self._pass_through(pairs, global_step, name, weight)
 
         window = self._windows.get(_graph_key())
         if window is None:
@@ -434,25 +509,26 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         unknown = [v.name for _, v in with_grad if v.ref() not in window.index]
         if unknown:
             raise ValueError(self._unknown_message(unknown, window))
+        if window.global_step is None:
+            window.global_step = global_step
         # Build order; variables without a gradient here get None.
         grads = [None] * len(window.variables)
         for g, v in with_grad:
             grads[window.index[v.ref()]] = g
 
-        def apply_inner(window_grads: list, gates: dict) -> Any:
-            with self._gate_inner_updates(gates, window.variables):
-                return self._inner.apply_gradients(
-                    list(zip(window_grads, window.variables)), global_step=global_step
-                )
-
         graph_mode = not tf.executing_eagerly()
         train_ops = _collection_snapshot() if graph_mode else None
         backend = _TF1Backend()
         with tf1.name_scope(name, self._name) as scope:
-            out = acc_lib.micro_step(
-                backend, window.state, grads, apply_inner,
-                self.gradient_accumulation_steps, self.reduction,
-            )
+            # The micro-step's first writes wait for the position (an
+            # explicit order: graph ops are not ordered by themselves).
+            with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
+                resumed = acc_lib.resume_position(backend, window.state, self.gradient_accumulation_steps)
+            with tf.control_dependencies(acc_lib._ops(resumed)):
+                out = acc_lib.micro_step(
+                    backend, window.state, grads, self._inner_update(window, global_step),
+                    self.gradient_accumulation_steps, self.reduction, weight=weight,
+                )
             if not graph_mode:
                 return None
             train_op = tf.group(*backend.made, *acc_lib._ops(out), name=scope)
@@ -462,17 +538,91 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         _collection_restore(train_ops, train_op)
         return train_op
 
-    def _pass_through(self, pairs: list, global_step: Any, name: str | None) -> Any:
+    def _inner_update(self, window: _Window, global_step: Any) -> Any:
+        def apply_inner(window_grads: list, gates: dict) -> Any:
+            with self._gate_inner_updates(gates, window.variables):
+                return self._inner.apply_gradients(
+                    list(zip(window_grads, window.variables)), global_step=global_step
+                )
+
+        return apply_inner
+
+    # --------------------------------------------------------- partial window
+    def flush(self, global_step: Any = None, name: str | None = None) -> Any:
+        """The op that applies the current, partial window as one update, if
+        it holds at least one micro-step (a no-op on an empty window);
+        ``sess.run`` it at the end of an epoch. Eagerly: runs it, returns
+        ``None``.
+
+        The update is normalised by what the window holds (``"mean"``: its
+        micro-steps, or the sum of their counts when weighted; never by N),
+        what a large batch of the window's samples would apply; then a new
+        window starts (``mini_step = 0``). ``global_step`` moves by one,
+        ``micro_steps`` does not. Every variable that had a gradient in the
+        window is updated (the others are not); variables with row trackers
+        get the sparse window over their touched rows. A window whose counts
+        sum to 0 applies nothing. :func:`accum_optimizer._accumulation.flush`,
+        as the other families' ``flush``.
+
+        Args:
+            global_step: incremented by the update; default: the
+                ``global_step`` of the first ``apply_gradients``/``minimize``
+                in this graph.
+            name: name of the returned op.
+
+        Raises:
+            ValueError: the optimizer is not built in this graph (no train op
+                yet), or ``gradient_accumulation_steps == 1`` (no windows).
+        """
+        window = self._windows.get(_graph_key())
+        if window is None or window.state is None:
+            raise ValueError(
+                "flush() needs an AccumulatingOptimizer built in this graph with "
+                "gradient_accumulation_steps > 1 (create the train op with "
+                "minimize/apply_gradients, or call build(var_list), first); "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}."
+            )
+        if global_step is None:
+            global_step = window.global_step
+        graph_mode = not tf.executing_eagerly()
+        train_ops = _collection_snapshot() if graph_mode else None
+        backend = _TF1Backend()
+        with tf1.name_scope(name, f"{self._name}_flush") as scope:
+            resumed = acc_lib.resume_position(backend, window.state, self.gradient_accumulation_steps)
+            with tf.control_dependencies(acc_lib._ops(resumed)):
+                out = acc_lib.flush(backend, window.state, self._inner_update(window, global_step), self.reduction)
+            if not graph_mode:
+                return None
+            op = tf.group(*backend.made, *acc_lib._ops(out), name=scope)
+        # (Not a train op: the inner update registered itself in TRAIN_OP.)
+        tf1.get_collection_ref(tf1.GraphKeys.TRAIN_OP)[:] = train_ops
+        return op
+
+    def _pass_through(self, pairs: list, global_step: Any, name: str | None, weight: Any = None) -> Any:
         """``gradient_accumulation_steps == 1``: the inner optimizer's update,
         and ``micro_steps += 1`` (which, like every write of a micro-step,
-        waits for the gradients)."""
+        waits for the gradients). With a ``weight``: a window of one
+        micro-step, ``c·g/c = g`` (``"mean"``) or ``c·g`` (``"sum"``); a
+        count of 0 applies nothing."""
         window = self._windows.get(_graph_key())
         if window is None:
             window = self._build([v for g, v in pairs if g is not None], set())
         graph_mode = not tf.executing_eagerly()
         train_ops = _collection_snapshot() if graph_mode else None
-        with tf.control_dependencies(acc_lib.gradient_tensors([g for g, _ in pairs])):
-            update = self._inner.apply_gradients(pairs, global_step=global_step, name=name)
+        with tf.control_dependencies(acc_lib.gradient_tensors([g for g, _ in pairs] + [weight])):
+            if weight is None:
+                update = self._inner.apply_gradients(pairs, global_step=global_step, name=name)
+            else:
+                if self.reduction == "sum":
+                    pairs = [(None if g is None else acc_lib.scaled(g, weight), v) for g, v in pairs]
+                with tf.init_scope():
+                    # (Slots made outside the cond, as `_build` does.)
+                    self._inner._create_slots([v for g, v in pairs if g is not None])
+                update = _TF1Backend().cond(
+                    weight > 0,
+                    lambda: self._inner.apply_gradients(pairs, global_step=global_step, name=name),
+                    lambda: None,
+                )
             count = window.micro_steps.assign_add(tf.constant(1, tf.int64), read_value=False)
         if not graph_mode:
             return update
