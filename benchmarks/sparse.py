@@ -62,7 +62,7 @@ PROFILES = {
     "tiny": dict(vocab=(1_000, 10_000), dim=64, batch=8, ids_per_example=4, n=8, windows=2, jobs=2,
                  timeout=300),
     "quick": dict(vocab=(10_000, 100_000, 1_000_000), dim=64, batch=32, ids_per_example=8, n=8,
-                  windows=12, jobs=1, timeout=600),
+                  windows=8, jobs=1, timeout=600),
     "full": dict(vocab=(10_000, 100_000, 1_000_000, 4_000_000), dim=64, batch=32, ids_per_example=8,
                  n=8, windows=20, jobs=1, timeout=1800),
 }
