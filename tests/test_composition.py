@@ -114,9 +114,9 @@ def test_set_weights_round_trips_the_whole_state():
     for a, b in zip(opt2.variables, saved):
         np.testing.assert_array_equal(a.numpy(), b)
     # micro_steps, grad_received, 4 accumulators; Adam: iterations, lr, 4 + 4
-    # moments; mini_step, window_weight.
-    assert len(saved) == 2 + 4 + 2 + 8 + 2
-    with pytest.raises(ValueError, match="expected 18, received 17"):
+    # moments; mini_step, window_weight; 4 row trackers (one per variable).
+    assert len(saved) == 2 + 4 + 2 + 8 + 2 + 4
+    with pytest.raises(ValueError, match="expected 22, received 21"):
         opt2.set_weights(saved[:-1])
     train(model, opt, x[(n + 2) * mb :], y[(n + 2) * mb :], mb, n - 2)
     train(clone, opt2, x[(n + 2) * mb :], y[(n + 2) * mb :], mb, n - 2)
