@@ -42,11 +42,13 @@ ENV_k3-oldest    :=
 # budget): the slowest property test, the benchmark smoke run (no matplotlib
 # here), the measured caveats, the multi-worker processes, the weighted /
 # flushed / scheduled windows and the sparse window (test_windows,
-# test_sparse_window), and the TF1 family (which the k3 and tf215 legs run on
-# the newest and the oldest TensorFlow).
+# test_sparse_window), mixed precision and the hardening cases
+# (test_mixed_precision, test_hardening), and the TF1 family (which the k3
+# and tf215 legs run on the newest and the oldest TensorFlow).
 ARGS_k3-oldest   := -k 'not test_property_accumulation_matches_large_batch' -m 'not multiworker' \
   --ignore=tests/test_benchmarks_smoke.py --ignore=tests/test_caveats.py \
-  --ignore=tests/test_windows.py --ignore=tests/test_sparse_window.py $(TF1_TESTS)
+  --ignore=tests/test_windows.py --ignore=tests/test_sparse_window.py \
+  --ignore=tests/test_mixed_precision.py --ignore=tests/test_hardening.py $(TF1_TESTS)
 
 DIR_tfkeras    := $(VENVS)/tfkeras
 PYTHON_tfkeras := $(PYTHON)
