@@ -1365,24 +1365,15 @@ def _none(_: Any) -> None:
 
 
 def _serialize_schedule(steps: Any) -> Any:
-    """``gradient_accumulation_steps`` for ``get_config``: an int or a dict
-    as is (JSON turns its keys into strings, which the constructor accepts),
-    a callable only if it is a registered Keras object.
+    """``gradient_accumulation_steps`` for ``get_config`` (Keras 3's
+    registry); see :func:`_keras2_common.serialize_schedule`.
 
     Raises:
         ValueError: an unregistered callable.
     """
-    if isinstance(steps, (int, dict)):
-        return steps
-    name = keras.saving.get_registered_name(steps)
-    if keras.saving.get_registered_object(name) is not steps:
-        raise ValueError(
-            "Cannot serialize AccumulatingOptimizer: its gradient_accumulation_steps "
-            f"is the callable {steps!r}, which is not a registered Keras object. "
-            "Register it with @keras.saving.register_keras_serializable(), or "
-            "use a dict schedule {first_update: N, ...}, which serializes as is."
-        )
-    return keras.saving.serialize_keras_object(steps)
+    from accum_optimizer.families import _keras2_common
+
+    return _keras2_common.serialize_schedule(keras, steps)
 
 
 def _replicas_in_sync() -> int:
