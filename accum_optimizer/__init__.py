@@ -15,21 +15,39 @@ from __future__ import annotations
 
 from typing import Any
 
-from accum_optimizer import _accumulation, _dispatch
+from accum_optimizer import _args, _dispatch
 
 __all__ = ["AccumulatingOptimizer", "CountedLoss", "FlushPartialWindow", "__version__"]
 __version__ = "0.2.0.dev0"
 
 
 class _DispatchByFamily(type):
-    """``AccumulatingOptimizer(...)`` builds the family's wrapper, and
-    ``isinstance(x, AccumulatingOptimizer)`` holds for every family's."""
+    """``AccumulatingOptimizer(...)`` builds the family's wrapper;
+    ``isinstance(x, AccumulatingOptimizer)`` holds for every family's; and
+    ``class Mine(AccumulatingOptimizer)`` subclasses the active Keras'
+    family class (Keras 3's where ``tf.keras`` is Keras 3)."""
 
-    def __call__(cls, inner_optimizer: Any = _accumulation.REQUIRED, *args: Any, **kwargs: Any) -> Any:
-        if inner_optimizer is _accumulation.REQUIRED:
-            _accumulation.check_arguments(inner_optimizer, None, {
-                k: v for k, v in kwargs.items()
-                if k not in _accumulation.ARGUMENTS + _accumulation.NUMERICS_ARGUMENTS})
+    def __new__(mcs, name: str, bases: tuple, namespace: dict, **kwargs: Any) -> Any:
+        if not any(isinstance(b, _DispatchByFamily) for b in bases):
+            return super().__new__(mcs, name, bases, namespace, **kwargs)  # the facade itself
+        family = _dispatch.subclass_family()
+        base = family.wrapper()
+        rebased = tuple(base if isinstance(b, _DispatchByFamily) else b for b in bases)
+        namespace.setdefault("__doc__", base.__doc__)
+        return type(base)(name, rebased, namespace, **kwargs)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args and "inner_optimizer" in kwargs:
+            raise TypeError(
+                "AccumulatingOptimizer got `inner_optimizer` twice: as the first "
+                f"positional argument ({args[0]!r}) and as a keyword "
+                f"({kwargs['inner_optimizer']!r}). Pass it once."
+            )
+        inner_optimizer = args[0] if args else kwargs.pop("inner_optimizer", _args.REQUIRED)
+        args = args[1:]
+        if inner_optimizer is _args.REQUIRED:
+            _args.check_arguments(inner_optimizer, None, {
+                k: v for k, v in kwargs.items() if k not in _args.ARGUMENTS + _args.NUMERICS_ARGUMENTS})
         if isinstance(inner_optimizer, (str, dict)):
             inner_optimizer = _dispatch.resolve_identifier(inner_optimizer)
         return _dispatch.family_of(inner_optimizer).wrapper()(inner_optimizer, *args, **kwargs)
@@ -66,10 +84,17 @@ class AccumulatingOptimizer(metaclass=_DispatchByFamily):
     ``tf.keras``' ``optimizers.get``. Every wrapper takes the same arguments
     and has the same semantics; see the family class for the details.
 
+    Subclassing: ``class MyAccumulator(accum_optimizer.AccumulatingOptimizer)``
+    creates a subclass of the active Keras' family class
+    (:class:`accum_optimizer.families.keras3.AccumulatingOptimizer` where
+    ``tf.keras`` is Keras 3, the Keras 2 new-API class where it is Keras 2),
+    so ``keras.saving.register_keras_serializable`` and ``get_config`` work
+    on it; to subclass another family's wrapper, subclass that class.
+
     Raises:
         TypeError: ``inner_optimizer`` belongs to no supported family (the
-            message names its type and the families), or an argument has the
-            wrong type.
+            message names its type and the families), is given twice, or an
+            argument has the wrong type.
         ValueError: an argument has a bad value (the family class lists them).
     """
 

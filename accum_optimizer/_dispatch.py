@@ -16,37 +16,16 @@ import importlib
 import sys
 from typing import Any, Callable
 
-
-def _major(module: Any) -> int:
-    try:
-        return int(str(getattr(module, "__version__", "0")).split(".")[0])
-    except ValueError:  # pragma: no cover - odd version strings
-        return 0
-
-
-def _keras3() -> Any:
-    """The Keras 3 package, if it is imported."""
-    keras = sys.modules.get("keras")
-    return keras if keras is not None and _major(keras) >= 3 else None
-
-
-def _keras2_packages() -> list:
-    """Imported Keras 2 packages: ``tf_keras``, and ``keras`` 2.x (TF <= 2.15)."""
-    found = []
-    for name in ("tf_keras", "keras"):
-        module = sys.modules.get(name)
-        if module is not None and _major(module) == 2:
-            found.append(module)
-    return found
+from accum_optimizer._packages import active_keras, keras2_packages, keras3
 
 
 def _is_keras3(opt: Any) -> bool:
-    keras = _keras3()
+    keras = keras3()
     return keras is not None and isinstance(opt, keras.optimizers.Optimizer)
 
 
 def _is_legacy(opt: Any) -> bool:
-    for pkg in _keras2_packages():
+    for pkg in keras2_packages():
         legacy = getattr(getattr(pkg, "optimizers", None), "legacy", None)
         if legacy is not None and isinstance(opt, legacy.Optimizer):
             return True
@@ -54,7 +33,7 @@ def _is_legacy(opt: Any) -> bool:
 
 
 def _is_keras2(opt: Any) -> bool:
-    return any(isinstance(opt, pkg.optimizers.Optimizer) for pkg in _keras2_packages()) and not _is_legacy(opt)
+    return any(isinstance(opt, pkg.optimizers.Optimizer) for pkg in keras2_packages()) and not _is_legacy(opt)
 
 
 def _is_tf1(opt: Any) -> bool:
@@ -88,20 +67,6 @@ FAMILIES = [
            "legacy", _is_legacy),
     Family("Keras 2 (tf_keras.optimizers.Optimizer, or tf.keras.optimizers.Optimizer on TF <= 2.15)", "keras2", _is_keras2),
 ]
-
-
-def active_keras() -> tuple[str, Any]:
-    """``("keras3" | "keras2", package)``: the Keras that ``tf.keras`` is.
-
-    ``tf.keras`` is Keras 3 on TF >= 2.16 unless ``TF_USE_LEGACY_KERAS`` is
-    set (then ``tf_keras``), and Keras 2 on TF <= 2.15. Resolving it imports
-    only that Keras.
-    """
-    import tensorflow as tf
-
-    top = tf.keras.optimizers.Optimizer.__module__.split(".")[0]
-    package = sys.modules[top]
-    return ("keras3" if _major(package) >= 3 else "keras2"), package
 
 
 def resolve_identifier(identifier: Any) -> Any:
@@ -148,6 +113,14 @@ def family_of(inner_optimizer: Any) -> Family:
     )
 
 
+def subclass_family() -> Family:
+    """The family whose wrapper a subclass of the public
+    ``AccumulatingOptimizer`` subclasses: Keras 3's where ``tf.keras`` is
+    Keras 3, the Keras 2 new API's where it is Keras 2."""
+    kind, _ = active_keras()
+    return next(f for f in FAMILIES if f.module == ("keras3" if kind == "keras3" else "keras2"))
+
+
 def loaded_wrappers() -> tuple:
     """The wrapper classes of the families imported so far."""
     return tuple(w for w in (f.loaded_wrapper() for f in FAMILIES) if w is not None)
@@ -158,7 +131,7 @@ def register_active_families() -> None:
     active Keras: Keras 3's when ``tf.keras`` is Keras 3 or Keras 3 is
     already imported; the Keras 2 families' when ``tf.keras`` is Keras 2."""
     kind, _ = active_keras()
-    wanted = {"keras3"} if kind == "keras3" or _keras3() is not None else set()
+    wanted = {"keras3"} if kind == "keras3" or keras3() is not None else set()
     if kind == "keras2":
         wanted |= {"keras2", "legacy"}
     for family in FAMILIES:

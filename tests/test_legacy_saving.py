@@ -151,6 +151,6 @@ def test_checkpoint_saves_inner_slots_once_and_restores_before_build(tmp_path):
     # and counters get their values when the first step builds them.
     fresh = _compiled(True)
     tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(saved)
-    assert not fresh.optimizer._built
+    assert not fresh.optimizer.built
     fresh.optimizer.build(fresh.trainable_variables)
     assert _bitwise(_state(model, True), _state(fresh, True))

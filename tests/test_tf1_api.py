@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import accum_optimizer  # noqa: E402
-from accum_optimizer import _accumulation, _dispatch  # noqa: E402
+from accum_optimizer import _args, _dispatch  # noqa: E402
 from accum_optimizer.families import tf1 as tf1_family  # noqa: E402
 from accum_optimizer.families.tf1 import AccumulatingOptimizer  # noqa: E402
 from tf1_reference import (  # noqa: E402
@@ -195,10 +195,10 @@ def test_eager_checkpoint_mid_window_resumes_bitwise(tmp_path):
 @pytest.mark.parametrize(
     "steps, reduction, error, validator",
     [
-        (2.0, "mean", TypeError, lambda: _accumulation.validate_gradient_accumulation_steps(2.0)),
-        (True, "mean", TypeError, lambda: _accumulation.validate_gradient_accumulation_steps(True)),
-        (0, "mean", ValueError, lambda: _accumulation.validate_gradient_accumulation_steps(0)),
-        (2, "avg", ValueError, lambda: _accumulation.validate_reduction("avg")),
+        (2.0, "mean", TypeError, lambda: _args.validate_gradient_accumulation_steps(2.0)),
+        (True, "mean", TypeError, lambda: _args.validate_gradient_accumulation_steps(True)),
+        (0, "mean", ValueError, lambda: _args.validate_gradient_accumulation_steps(0)),
+        (2, "avg", ValueError, lambda: _args.validate_reduction("avg")),
     ],
 )
 def test_bad_arguments_raise_the_shared_errors(steps, reduction, error, validator):
@@ -221,11 +221,12 @@ def test_missing_and_unknown_arguments_raise_the_shared_errors(args, kwargs):
     missing required arguments, and unknown ones with the close match."""
     inner = tf1.train.GradientDescentOptimizer(0.1)
     args = tuple(inner if a is None else a for a in args)
-    unknown = {k: v for k, v in kwargs.items() if k not in _accumulation.ARGUMENTS}
+    unknown = {k: v for k, v in kwargs.items() if k not in _args.ARGUMENTS}
     given = dict(zip(("inner_optimizer", "gradient_accumulation_steps"), args), **kwargs)
     with pytest.raises(TypeError) as expected:
-        _accumulation.check_arguments(given.get("inner_optimizer", _accumulation.REQUIRED),
-                                      given.get("gradient_accumulation_steps", _accumulation.REQUIRED), unknown)
+        _args.check_arguments(given.get("inner_optimizer", _args.REQUIRED),
+                              given.get("gradient_accumulation_steps", _args.REQUIRED), unknown,
+                              _args.ARGUMENTS + _args.NUMERICS_ARGUMENTS)
     with pytest.raises(TypeError) as got:
         AccumulatingOptimizer(*args, **kwargs)
     assert str(got.value) == str(expected.value)

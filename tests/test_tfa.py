@@ -98,7 +98,7 @@ def test_tfa_wrapper_around_accumulating_optimizer_is_refused_before_any_weight_
         step(tf.constant(x), tf.constant(y))
     for b, w in zip(before, model.weights):
         np.testing.assert_array_equal(b, w.numpy())
-    assert not acc._built  # not even the accumulators were made
+    assert not acc.built  # not even the accumulators were made
 
 
 def _two_branch():

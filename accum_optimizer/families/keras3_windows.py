@@ -14,10 +14,9 @@ from typing import Any
 
 import keras
 from keras import ops
-from keras.src.losses import loss as keras_loss  # Keras' own reduction helpers
-from keras.src.losses.losses import LossFunctionWrapper
 
 from accum_optimizer import counting
+from accum_optimizer._compat import keras3 as compat
 
 _REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
 
@@ -81,18 +80,18 @@ class CountedLoss(keras.losses.Loss):
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         # keras.losses.Loss.__call__ (Keras 3.15), with the count beside it.
-        in_mask = keras.backend.get_keras_mask(y_pred) if hasattr(keras.backend, "get_keras_mask") else getattr(y_pred, "_keras_mask", None)
+        in_mask = compat.keras_mask(y_pred)
         inner = self.inner_loss
         with keras.name_scope(self.name):
             y_pred = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_pred)
             y_true = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_true)
             losses = inner.call(y_true, y_pred)
-            out_mask = getattr(losses, "_keras_mask", None)
+            out_mask = compat.keras_mask(losses)
             if in_mask is not None and out_mask is not None:
                 mask = in_mask & out_mask
             else:
                 mask = in_mask if in_mask is not None else out_mask
-            value = keras_loss.reduce_weighted_values(
+            value = compat.loss_helpers().reduce_weighted_values(
                 losses, sample_weight=sample_weight, mask=mask, reduction=inner.reduction, dtype=inner.dtype
             )
             count = micro_batch_count(losses, sample_weight, mask, inner.reduction, inner.dtype)
@@ -123,6 +122,7 @@ def micro_batch_count(losses: Any, sample_weight: Any, mask: Any, reduction: str
         return ops.convert_to_tensor(1.0, "float32")
     values = ops.convert_to_tensor(losses, dtype=dtype)
     weights = None if sample_weight is None else ops.convert_to_tensor(sample_weight, dtype=dtype)
+    keras_loss = compat.loss_helpers()
     weights = keras_loss.apply_mask(weights, mask, dtype=values.dtype, reduction=reduction)
     if weights is not None:
         weights = ops.cast(weights, values.dtype)
@@ -157,7 +157,7 @@ def _resolve_loss(loss: Any, reduction: str | None) -> keras.losses.Loss:
             return resolved
         loss = resolved
     if callable(loss):
-        return LossFunctionWrapper(
+        return compat.loss_function_wrapper()(
             loss, reduction=reduction or "sum_over_batch_size", name=getattr(loss, "__name__", None)
         )
     raise TypeError(

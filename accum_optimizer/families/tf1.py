@@ -7,7 +7,7 @@ A ``tf.compat.v1.train.Optimizer`` that wraps another one, for code built on
 ``gradient_accumulation_steps``-th run is an *update* that calls the inner
 optimizer's ``apply_gradients`` once with the window's gradient (and the
 ``global_step``, which so counts updates). The algorithm is
-:func:`accum_optimizer._accumulation.micro_step`; this module supplies the TF1
+:func:`accum_optimizer.core.micro_step`; this module supplies the TF1
 :class:`_TF1Backend` (assignments that return ops, ``tf.cond`` whose
 branches return grouped ops) and creates the state at graph construction.
 """
@@ -15,67 +15,19 @@ branches return grouped ops) and creates the state at graph construction.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Iterable, Sequence
 
 import tensorflow as tf
 
-from accum_optimizer import _accumulation as acc_lib
+from accum_optimizer import _args, core
+from accum_optimizer._compat import tf as compat
+from accum_optimizer.families import _tf1_graph as graph
+from accum_optimizer.families._tf import check_weight, control_inputs
 
 tf1 = tf.compat.v1
 
-# The per-variable methods through which `tf.compat.v1.train.Optimizer.
-# apply_gradients` updates one variable (its `_RefVariableProcessor` and
-# `_DenseResourceVariableProcessor` call them with the variable as the second
-# argument). Gating a variable wraps these.
-_PER_VARIABLE_UPDATES = (
-    "_apply_dense",
-    "_resource_apply_dense",
-    "_apply_sparse_duplicate_indices",
-    "_resource_apply_sparse_duplicate_indices",
-)
 
-
-def _resolve_inner(inner_optimizer: Any) -> tf1.train.Optimizer:
-    if isinstance(inner_optimizer, AccumulatingOptimizer):
-        raise ValueError(
-            "`inner_optimizer` is already an AccumulatingOptimizer "
-            f"(gradient_accumulation_steps="
-            f"{inner_optimizer.gradient_accumulation_steps}); nesting them "
-            "would accumulate twice. Use one AccumulatingOptimizer with "
-            "gradient_accumulation_steps equal to the product."
-        )
-    if not isinstance(inner_optimizer, tf1.train.Optimizer):
-        kind = type(inner_optimizer)
-        raise TypeError(
-            "`inner_optimizer` must be a TF1 optimizer instance "
-            "(`tf.compat.v1.train.Optimizer`, e.g. "
-            "tf.compat.v1.train.AdamOptimizer(1e-3)). Received: "
-            f"inner_optimizer={inner_optimizer!r} of type "
-            f"{kind.__module__}.{kind.__qualname__}."
-        )
-    return inner_optimizer
-
-
-@dataclasses.dataclass
-class _Window:
-    """The accumulation state of one wrapper in one graph (or eagerly)."""
-
-    variables: list  # build order
-    index: dict  # variable.ref() -> position in `variables`
-    state: acc_lib.WindowState | None  # None for gradient_accumulation_steps == 1
-    micro_steps: Any
-    global_step: Any = None  # of the first apply_gradients in this graph (for flush)
-
-    def own_variables(self) -> list:
-        if self.state is None:
-            return [self.micro_steps]
-        rows = [t for t in (self.state.touched_rows or []) if t is not None]
-        return [self.micro_steps, self.state.grad_received, *self.state.acc_grads, *rows,
-                self.state.mini_step, self.state.window_weight]
-
-
-class AccumulatingOptimizer(tf1.train.Optimizer):
+class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Optimizer):
     """Accumulate gradients over micro-batches, update once per window (TF1).
 
     ``opt.minimize(loss, global_step=global_step, var_list=...)`` (or
@@ -154,51 +106,30 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             the inner optimizer).
     """
 
-    def __init__(
-        self,
-        inner_optimizer: Any = acc_lib.REQUIRED,
-        gradient_accumulation_steps: int = acc_lib.REQUIRED,
-        reduction: str = "mean",
-        name: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs.get("use_locking", False):
-            raise ValueError(
-                "AccumulatingOptimizer does not take `use_locking` (received "
-                f"use_locking={kwargs['use_locking']!r}). Set it on the inner "
-                "optimizer, e.g. tf.compat.v1.train.AdamOptimizer(use_locking=True), "
-                "which makes the updates."
-            )
-        kwargs.pop("use_locking", None)
-        acc_lib.check_arguments(inner_optimizer, gradient_accumulation_steps, kwargs)
-        steps = acc_lib.validate_gradient_accumulation_steps(gradient_accumulation_steps)
-        reduction = acc_lib.validate_reduction(reduction)
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(
-                f"`name` must be a non-empty string or None. Received: name={name!r}."
-            )
-        inner = _resolve_inner(inner_optimizer)
-        super().__init__(use_locking=False, name=name or "AccumulatingOptimizer")
-        self._inner = inner
-        self._gradient_accumulation_steps = steps
-        self.reduction = reduction
-        self._windows: dict[Any, _Window] = {}
+    _INNER_ONLY = {"use_locking": False}
+    _SCHEDULES = False
 
-    # ------------------------------------------------------------- properties
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        """N, micro-steps per update (read-only: the built ops have it fixed)."""
-        return self._gradient_accumulation_steps
+    def _inner_example(self) -> str:
+        return "tf.compat.v1.train.AdamOptimizer"
 
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, value: Any) -> None:
-        raise AttributeError(
-            "`gradient_accumulation_steps` is read-only after construction "
-            f"(it is {self.gradient_accumulation_steps}; received {value!r}): "
-            "the train ops built so far have the window length fixed. Create a "
-            "new AccumulatingOptimizer(inner_optimizer, gradient_accumulation_steps=...) "
-            "instead."
+    def _inner_spec(self) -> _args.InnerSpec:
+        return _args.InnerSpec(
+            "a TF1 optimizer instance (`tf.compat.v1.train.Optimizer`, e.g. "
+            "tf.compat.v1.train.AdamOptimizer(1e-3))",
+            tf1.train.Optimizer,
         )
+
+    def _base_arguments(self, args: _args.Arguments) -> dict:
+        return {"use_locking": False, "name": args.name or "AccumulatingOptimizer"}
+
+    def _init_state(self, args: _args.Arguments) -> None:
+        self._inner = args.inner
+        self.reduction = args.reduction
+        self._windows: dict[Any, graph.Window] = {}
+
+    def _window(self) -> graph.Window | None:
+        """This wrapper's window in the current graph (``None`` before it is built there)."""
+        return self._windows.get(graph.graph_key())
 
     @property
     def inner_optimizer(self) -> tf1.train.Optimizer:
@@ -210,7 +141,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         """int64 scalar variable: micro-steps taken in the current graph (or
         eagerly), i.e. runs of this optimizer's ops. ``None`` before the
         optimizer is built there."""
-        window = self._windows.get(_graph_key())
+        window = self._window()
         return None if window is None else window.micro_steps
 
     # ------------------------------------------------------------------ state
@@ -238,8 +169,8 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 ``sparse_var_list`` is not a subset of it, or the optimizer
                 is already built in this graph for other variables.
         """
-        var_list = _check_variables(var_list, "var_list")
-        sparse = _check_variables(sparse_var_list, "sparse_var_list")
+        var_list = graph.check_variables(var_list, "var_list")
+        sparse = graph.check_variables(sparse_var_list, "sparse_var_list")
         if not var_list:
             raise ValueError("`var_list` must not be empty. Received: var_list=[].")
         refs = {v.ref() for v in var_list}
@@ -253,7 +184,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             raise ValueError(
                 f"`sparse_var_list` must be a subset of `var_list`; not in var_list: {outside}."
             )
-        window = self._windows.get(_graph_key())
+        window = self._window()
         if window is not None:
             unknown = [v.name for v in var_list if v.ref() not in window.index]
             if unknown:
@@ -261,23 +192,23 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             return
         self._build(var_list, {v.ref() for v in sparse})
 
-    def _build(self, var_list: list, sparse_refs: set) -> _Window:
+    def _build(self, var_list: list, sparse_refs: set) -> graph.Window:
         steps = self.gradient_accumulation_steps
         with tf.init_scope():
-            key = _graph_key()
+            key = graph.graph_key()
             first = min(var_list, key=lambda v: v.name)
-            with tf.name_scope(f"{self._name}/"):
+            with tf.name_scope(f"{self.get_name()}/"):
                 micro_steps = self._own_variable("micro_steps", tf.zeros([], tf.int64), first)
             state = None
             if steps > 1:
-                with tf.name_scope(f"{self._name}/"):
+                with tf.name_scope(f"{self.get_name()}/"):
                     received = self._own_variable(
                         "grad_received", tf.zeros([len(var_list)], tf.int64), first
                     )
                 accs, trackers = [], []
                 for i, v in enumerate(var_list):
                     dtype = v.dtype.base_dtype
-                    with tf.name_scope(f"{_op_name(v)}/{self._name}/"):
+                    with tf.name_scope(f"{graph.op_name(v)}/{self.get_name()}/"):
                         accs.append(self._own_variable("acc_grad", tf.zeros(v.shape, dtype), v, slot=("acc_grad", i)))
                         tracker = None
                         if v.ref() in sparse_refs and v.shape.rank:
@@ -289,21 +220,21 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 # then `micro_steps % N`, what it was before it was kept, so
                 # that a checkpoint saved without it resumes exactly; see
                 # `_accumulation.resume_position`) and count.
-                with tf.name_scope(f"{self._name}/"):
+                with tf.name_scope(f"{self.get_name()}/"):
                     mini_step = self._own_variable(
-                        "mini_step", tf.constant(acc_lib.UNKNOWN_POSITION, tf.int64), first
+                        "mini_step", tf.constant(core.UNKNOWN_POSITION, tf.int64), first
                     )
                     window_weight = self._own_variable("window_weight", tf.zeros([], tf.float32), first)
-                state = acc_lib.WindowState(
-                    accs, micro_steps, received, trackers if any(t is not None for t in trackers) else None,
-                    mini_step=mini_step, window_weight=window_weight,
+                state = core.WindowState(
+                    accs, micro_steps, received, mini_step, window_weight,
+                    touched_rows=trackers if any(t is not None for t in trackers) else None,
                 )
                 # The slots the inner optimizer's `apply_gradients` would
                 # create (it does so under `init_scope` too), made now: in
                 # eager mode the update's `tf.cond` runs only on updates, and
                 # slot names must not depend on where they are first made.
-                self._inner._create_slots(var_list)
-        window = _Window(
+                compat.tf1_create_slots(self._inner, var_list)
+        window = graph.Window(
             variables=list(var_list),
             index={v.ref(): i for i, v in enumerate(var_list)},
             state=state,
@@ -325,7 +256,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 collections=[tf1.GraphKeys.GLOBAL_VARIABLES],
             )
         child = name if slot is None else f"{slot[0]}_{slot[1]}"
-        self._handle_deferred_dependencies(name=child, trackable=variable)
+        compat.restore_deferred(self, child, variable)
         return variable
 
     @property
@@ -334,7 +265,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         position) in the current graph; -1 until the first run of a train op
         or flush (then ``micro_steps % N``). ``None`` before the optimizer
         is built there, or for ``gradient_accumulation_steps == 1``."""
-        window = self._windows.get(_graph_key())
+        window = self._window()
         return None if window is None or window.state is None else window.state.mini_step
 
     @property
@@ -342,7 +273,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         """float32 scalar variable: the current window's count ``Σ cᵢ`` (the
         ``weight`` of each micro-step, 1 without one). ``None`` as for
         :attr:`mini_step`."""
-        window = self._windows.get(_graph_key())
+        window = self._window()
         return None if window is None or window.state is None else window.state.window_weight
 
     def variables(self) -> list:
@@ -357,7 +288,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         and ``window_weight``. A checkpoint
         written without accumulation lacks exactly these (see
         :meth:`non_accumulation_variables`)."""
-        window = self._windows.get(_graph_key())
+        window = self._window()
         return [] if window is None else window.own_variables()
 
     def non_optimizer_variables(self) -> list:
@@ -368,7 +299,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
 
             tf.compat.v1.train.Saver(var_list=opt.non_optimizer_variables())
         """
-        return _global_variables_except(self.variables())
+        return graph.global_variables_except(self.variables())
 
     def non_accumulation_variables(self) -> list:
         """Global variables of the current graph except this wrapper's own
@@ -380,7 +311,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             sess.run(tf.compat.v1.global_variables_initializer())
             tf.compat.v1.train.Saver(opt.non_accumulation_variables()).restore(sess, path)
         """
-        return _global_variables_except(self.accumulation_variables())
+        return graph.global_variables_except(self.accumulation_variables())
 
     def get_slot(self, var: Any, name: str) -> Any:
         """``"acc_grad"`` / ``"touched_rows"``: the wrapper's accumulator / row
@@ -392,19 +323,19 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         state is saved as its own dependencies, the inner optimizer's by the
         inner optimizer.)"""
         if name in ("acc_grad", "touched_rows"):
-            window = self._windows.get(_graph_key())
+            window = self._window()
             if window is None or window.state is None or var.ref() not in window.index:
                 return None
             i = window.index[var.ref()]
             return window.state.acc_grads[i] if name == "acc_grad" else window.state.rows_tracker(i)
         return self._inner.get_slot(var, name)
 
-    def _trackable_children(self, *args: Any, **kwargs: Any) -> dict:
-        # Object-based checkpoints (`tf.train.Checkpoint`, eager): the inner
-        # optimizer and this graph's state, by position in build order.
-        children = super()._trackable_children(*args, **kwargs)
+    def _checkpoint_children(self, children: dict) -> dict:
+        """What ``tf.train.Checkpoint`` (eager) saves of this optimizer: the
+        inner optimizer and this graph's state, by position in build order."""
+        children = dict(children)
         children["inner_optimizer"] = self._inner
-        window = self._windows.get(_graph_key())
+        window = self._window()
         if window is not None:
             children["micro_steps"] = window.micro_steps
             if window.state is not None:
@@ -491,8 +422,8 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
                 "code. Call it outside strategy.scope(), or use a Keras optimizer "
                 "with the Keras wrapper under a strategy."
             )
-        weight = acc_lib.check_weight(weight)
-        pairs = _check_grads_and_vars(grads_and_vars)
+        weight = check_weight(weight)
+        pairs = graph.check_grads_and_vars(grads_and_vars)
         with_grad = [(g, v) for g, v in pairs if g is not None]
         if not with_grad:
             names = [v.name for _, v in pairs]
@@ -500,7 +431,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         if self.gradient_accumulation_steps == 1:
             return self._pass_through(pairs, global_step, name, weight)
 
-        window = self._windows.get(_graph_key())
+        window = self._window()
         if window is None:
             window = self._build(
                 [v for _, v in with_grad],
@@ -517,28 +448,29 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             grads[window.index[v.ref()]] = g
 
         graph_mode = not tf.executing_eagerly()
-        train_ops = _collection_snapshot() if graph_mode else None
-        backend = _TF1Backend()
-        with tf1.name_scope(name, self._name) as scope:
+        train_ops = graph.collection_snapshot() if graph_mode else None
+        backend = graph.TF1Backend(self._inner_update(window, global_step))
+        rules = self._rules()
+        with tf1.name_scope(name, self.get_name()) as scope:
             # The micro-step's first writes wait for the position (an
             # explicit order: graph ops are not ordered by themselves).
-            with tf.control_dependencies(acc_lib.gradient_tensors(grads)):
-                resumed = acc_lib.resume_position(backend, window.state, self.gradient_accumulation_steps)
-            with tf.control_dependencies(acc_lib._ops(resumed)):
-                out = acc_lib.micro_step(
-                    backend, window.state, grads, self._inner_update(window, global_step),
-                    self.gradient_accumulation_steps, self.reduction, weight=weight,
-                )
+            with backend.after(grads):
+                resumed = core.resume_position(backend, window.state, rules)
+            with backend.after(resumed):
+                out = core.micro_step(backend, window.state, rules, grads, weight=weight)
             if not graph_mode:
                 return None
-            train_op = tf.group(*backend.made, *acc_lib._ops(out), name=scope)
+            train_op = tf.group(*backend.made, *control_inputs(out), name=scope)
         # The inner `apply_gradients` registered its update op, inside the
         # update branch, in TRAIN_OP (control flow v1 builds branches in this
         # graph); the op to run is ours.
-        _collection_restore(train_ops, train_op)
+        graph.collection_restore(train_ops, train_op)
         return train_op
 
-    def _inner_update(self, window: _Window, global_step: Any) -> Any:
+    def _rules(self) -> core.Rules:
+        return core.Rules(self.gradient_accumulation_steps, self.reduction)
+
+    def _inner_update(self, window: graph.Window, global_step: Any) -> Any:
         def apply_inner(window_grads: list, gates: dict) -> Any:
             with self._gate_inner_updates(gates, window.variables):
                 return self._inner.apply_gradients(
@@ -561,7 +493,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         ``micro_steps`` does not. Every variable that had a gradient in the
         window is updated (the others are not); variables with row trackers
         get the sparse window over their touched rows. A window whose counts
-        sum to 0 applies nothing. :func:`accum_optimizer._accumulation.flush`,
+        sum to 0 applies nothing. :func:`accum_optimizer.core.flush`,
         as the other families' ``flush``.
 
         Args:
@@ -574,7 +506,7 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
             ValueError: the optimizer is not built in this graph (no train op
                 yet), or ``gradient_accumulation_steps == 1`` (no windows).
         """
-        window = self._windows.get(_graph_key())
+        window = self._window()
         if window is None or window.state is None:
             raise ValueError(
                 "flush() needs an AccumulatingOptimizer built in this graph with "
@@ -585,50 +517,45 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         if global_step is None:
             global_step = window.global_step
         graph_mode = not tf.executing_eagerly()
-        train_ops = _collection_snapshot() if graph_mode else None
-        backend = _TF1Backend()
-        with tf1.name_scope(name, f"{self._name}_flush") as scope:
-            resumed = acc_lib.resume_position(backend, window.state, self.gradient_accumulation_steps)
-            with tf.control_dependencies(acc_lib._ops(resumed)):
-                out = acc_lib.flush(backend, window.state, self._inner_update(window, global_step), self.reduction)
+        train_ops = graph.collection_snapshot() if graph_mode else None
+        backend = graph.TF1Backend(self._inner_update(window, global_step))
+        with tf1.name_scope(name, f"{self.get_name()}_flush") as scope:
+            resumed = core.resume_position(backend, window.state, self._rules())
+            with backend.after(resumed):
+                out = core.flush(backend, window.state, self._rules())
             if not graph_mode:
                 return None
-            op = tf.group(*backend.made, *acc_lib._ops(out), name=scope)
+            op = tf.group(*backend.made, *control_inputs(out), name=scope)
         # (Not a train op: the inner update registered itself in TRAIN_OP.)
         tf1.get_collection_ref(tf1.GraphKeys.TRAIN_OP)[:] = train_ops
         return op
 
     def _pass_through(self, pairs: list, global_step: Any, name: str | None, weight: Any = None) -> Any:
-        """``gradient_accumulation_steps == 1``: the inner optimizer's update,
-        and ``micro_steps += 1`` (which, like every write of a micro-step,
-        waits for the gradients). With a ``weight``: a window of one
-        micro-step, ``c·g/c = g`` (``"mean"``) or ``c·g`` (``"sum"``); a
-        count of 0 applies nothing."""
-        window = self._windows.get(_graph_key())
+        """``gradient_accumulation_steps == 1``: the inner optimizer's update
+        and ``micro_steps += 1`` (:func:`accum_optimizer.core.pass_through`)."""
+        window = self._window()
         if window is None:
             window = self._build([v for g, v in pairs if g is not None], set())
         graph_mode = not tf.executing_eagerly()
-        train_ops = _collection_snapshot() if graph_mode else None
-        with tf.control_dependencies(acc_lib.gradient_tensors([g for g, _ in pairs] + [weight])):
-            if weight is None:
-                update = self._inner.apply_gradients(pairs, global_step=global_step, name=name)
-            else:
-                if self.reduction == "sum":
-                    pairs = [(None if g is None else acc_lib.scaled(g, weight), v) for g, v in pairs]
-                with tf.init_scope():
-                    # (Slots made outside the cond, as `_build` does.)
-                    self._inner._create_slots([v for g, v in pairs if g is not None])
-                update = _TF1Backend().cond(
-                    weight > 0,
-                    lambda: self._inner.apply_gradients(pairs, global_step=global_step, name=name),
-                    lambda: None,
-                )
-            count = window.micro_steps.assign_add(tf.constant(1, tf.int64), read_value=False)
+        train_ops = graph.collection_snapshot() if graph_mode else None
+        variables = [v for _, v in pairs]
+        if weight is not None:
+            with tf.init_scope():
+                # (Slots made outside the cond, as `_build` does.)
+                compat.tf1_create_slots(self._inner, [v for g, v in pairs if g is not None])
+
+        def update(grads: list) -> Any:
+            return self._inner.apply_gradients(list(zip(grads, variables)), global_step=global_step, name=name)
+
+        backend = graph.TF1Backend()
+        done = core.pass_through(
+            backend, window.micro_steps, [g for g, _ in pairs], update, self.reduction, weight
+        )
         if not graph_mode:
-            return update
-        with tf1.name_scope(name, self._name) as scope:
-            train_op = tf.group(update, count, name=scope)
-        _collection_restore(train_ops, train_op)
+            return done[0]
+        with tf1.name_scope(name, self.get_name()) as scope:
+            train_op = tf.group(*control_inputs(done), name=scope)
+        graph.collection_restore(train_ops, train_op)
         return train_op
 
     @contextlib.contextmanager
@@ -636,39 +563,28 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         """Skip, per variable, the inner update of variables without a
         gradient in the window.
 
-        ``gates`` (from :func:`_accumulation.micro_step`) maps each variable
-        without a gradient on this micro-step to a boolean that is true iff it
-        had one earlier in the window (another train op gave it one). For
-        those, the inner optimizer's per-variable update methods and the
-        variable's constraint run under a ``tf.cond`` on it; ``_finish``
+        ``gates`` (from :func:`accum_optimizer.core.micro_step`) maps each
+        variable without a gradient on this micro-step to a boolean that is
+        true iff it had one earlier in the window (another train op gave it
+        one). For those, the inner optimizer's per-variable update methods and
+        the variable's constraint run under a ``tf.cond`` on it; ``_finish``
         (Adam's beta powers) and ``global_step`` move once per update, as in
         the large-batch reference.
         """
         if not gates:
             yield
             return
-        by_id = {id(variables[i]): gate for i, gate in gates.items()}
-        inner = self._inner
-        for method in _PER_VARIABLE_UPDATES:
-            setattr(inner, method, _gated(getattr(inner, method), by_id))
-        constrained = []
-        for i, gate in gates.items():
-            v = variables[i]
-            c = getattr(v, "_constraint", None)
-            if c is not None:
-                constrained.append((v, c))
-                v._constraint = lambda x, gate=gate, c=c: tf.cond(gate, lambda: c(x), lambda: tf.identity(x))
+        remove = compat.gate_constraints(
+            variables, gates, [compat.tf1_install_gates(self._inner, {id(variables[i]): g for i, g in gates.items()})]
+        )
         try:
             yield
         finally:
-            for method in _PER_VARIABLE_UPDATES:
-                delattr(inner, method)
-            for v, c in constrained:
-                v._constraint = c
+            remove()
 
-    def _unknown_message(self, unknown: list, window: _Window) -> str:
+    def _unknown_message(self, unknown: list, window: graph.Window) -> str:
         return (
-            f"AccumulatingOptimizer '{self._name}' was built for "
+            f"AccumulatingOptimizer '{self.get_name()}' was built for "
             f"{len(window.variables)} variables ({[v.name for v in window.variables]}) "
             f"and got gradients for others: {unknown}. All train ops of one "
             "AccumulatingOptimizer share one window, so its update must know "
@@ -678,135 +594,3 @@ class AccumulatingOptimizer(tf1.train.Optimizer):
         )
 
 
-class _TF1Backend:
-    """:class:`_accumulation.Backend` for TF1: every assignment returns its op
-    (``None`` eagerly) so the shared algorithm can order them with control
-    dependencies; ``cond`` is ``tf.cond`` with branches returning grouped ops.
-    ``made`` collects the ops made outside the ``cond`` (grouped into the
-    train op)."""
-
-    def __init__(self) -> None:
-        self.made: list = []
-        self._depth = 0
-
-    def _record(self, op: Any) -> Any:
-        if tf.executing_eagerly():
-            return None
-        op = op.op if not isinstance(op, tf.Operation) else op
-        if self._depth == 0:
-            self.made.append(op)
-        return op
-
-    def assign(self, variable: Any, value: Any) -> Any:
-        return self._record(variable.assign(value, read_value=False))
-
-    def assign_add(self, variable: Any, value: Any) -> Any:
-        if isinstance(value, tf.IndexedSlices):
-            return self._record(tf1.scatter_add(variable, value.indices, value.values))
-        return self._record(variable.assign_add(value, read_value=False))
-
-    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
-        return self._record(tf1.scatter_update(variable, indices, updates))
-
-    def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> Any:
-        def branch(fn):
-            def run():
-                self._depth += 1
-                try:
-                    return tf.group(*acc_lib._ops(fn()))
-                finally:
-                    self._depth -= 1
-
-            return run
-
-        return tf.cond(pred, branch(true_fn), branch(false_fn))
-
-
-def _gated(method: Any, gates_by_id: dict):
-    def update(grad, var, *args, **kwargs):
-        gate = gates_by_id.get(id(var))
-        if gate is None:
-            return method(grad, var, *args, **kwargs)
-        return tf.cond(gate, lambda: tf.group(method(grad, var, *args, **kwargs)), tf.no_op)
-
-    return update
-
-
-# ------------------------------------------------------------------ helpers
-def _graph_key() -> Any:
-    """The graph whose variables are current (``None`` eagerly, also while a
-    ``tf.function`` is traced)."""
-    with tf.init_scope():
-        return None if tf.executing_eagerly() else tf1.get_default_graph()
-
-
-def _op_name(variable: Any) -> str:
-    return variable.name.split(":")[0]
-
-
-def _global_variables_except(excluded: Sequence[Any]) -> list:
-    refs = {v.ref() for v in excluded}
-    return [v for v in tf1.global_variables() if v.ref() not in refs]
-
-
-def _collection_snapshot() -> list:
-    return list(tf1.get_collection(tf1.GraphKeys.TRAIN_OP))
-
-
-def _collection_restore(before: list, train_op: Any) -> None:
-    ref = tf1.get_collection_ref(tf1.GraphKeys.TRAIN_OP)
-    ref[:] = before + ([train_op] if train_op not in before else [])
-
-
-def _is_variable(value: Any) -> bool:
-    return isinstance(value, tf.Variable)
-
-
-def _check_variables(values: Any, arg: str) -> list:
-    values = list(values)
-    for v in values:
-        if not _is_variable(v):
-            raise TypeError(
-                f"`{arg}` must hold tf.Variable objects. Received an element "
-                f"{v!r} of type {type(v).__module__}.{type(v).__qualname__}."
-            )
-    return values
-
-
-def _check_grads_and_vars(grads_and_vars: Any) -> list:
-    """``(gradient, variable)`` pairs as TF1's ``apply_gradients`` accepts
-    them, converted (gradients to tensors or ``IndexedSlices``) and checked."""
-    pairs = []
-    for pair in grads_and_vars:
-        try:
-            g, v = pair
-        except (TypeError, ValueError):
-            raise TypeError(
-                "`grads_and_vars` must be (gradient, variable) pairs. Received "
-                f"an element {pair!r}."
-            ) from None
-        if not _is_variable(v):
-            raise TypeError(
-                "`grads_and_vars` must pair each gradient with a tf.Variable. "
-                f"Received {v!r} of type {type(v).__module__}.{type(v).__qualname__}."
-            )
-        if g is not None:
-            try:
-                g = tf.convert_to_tensor(g, dtype_hint=v.dtype.base_dtype) if not isinstance(
-                    g, tf.IndexedSlices) else g
-            except (TypeError, ValueError) as e:
-                raise TypeError(
-                    f"The gradient of {v.name!r} must be a tensor, a "
-                    f"tf.IndexedSlices or None. Received {g!r} ({e})."
-                ) from None
-            acc_lib.validate_gradient_shapes([g], [v], _op_name)
-        pairs.append((g, v))
-    if not pairs:
-        raise ValueError("No variables provided: `grads_and_vars` is empty.")
-    refs = [v.ref() for _, v in pairs]
-    if len(set(refs)) != len(refs):
-        raise ValueError(
-            "`grads_and_vars` lists a variable more than once: "
-            f"{[v.name for _, v in pairs]}. Sum its gradients first."
-        )
-    return pairs

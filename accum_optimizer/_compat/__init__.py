@@ -1,0 +1,109 @@
+"""Every private Keras / TensorFlow symbol this package touches, fenced here.
+
+Private means: an underscore attribute of an object the package does not
+own (inherited ones included), ``keras.src``, ``tensorflow.python``, frame
+inspection, or patching a method onto an instance. Outside this package no
+module of ``accum_optimizer`` does any of these (``tests/core/test_compat.py``
+checks it), and where a public route exists it is taken instead.
+
+One module per package, each use declared once as a :class:`Private`
+record (the symbol, why no public route serves, the versions it was checked
+on, and how to find it):
+
+* :mod:`~accum_optimizer._compat.keras3`: Keras 3;
+* :mod:`~accum_optimizer._compat.keras2`: Keras 2 (``tf_keras``, Keras 2.x
+  of TF <= 2.15) and its legacy ``OptimizerV2``;
+* :mod:`~accum_optimizer._compat.tf`: TensorFlow, its ``tf.compat.v1``
+  optimizers included.
+
+The test ``tests/core/test_compat.py`` resolves every record in every leg
+and fails, naming the symbol and the installed version, when one is missing
+or changed; at run time :func:`require` raises :class:`PrivateSymbolMissing`
+with the same message instead of letting a missing symbol give a wrong
+result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+from accum_optimizer import _packages
+
+
+class PrivateSymbolMissing(RuntimeError):
+    """A private framework symbol the package needs is missing or changed in
+    the installed version (the message names both)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Private:
+    """One private symbol in use.
+
+    Attributes:
+        symbol: where it lives, as a reader would look it up
+            (``"keras.optimizers.Optimizer._var_key"``).
+        distribution: the installed distribution whose version decides
+            (``"keras"``, ``"tensorflow"``, ``"tf_keras"``).
+        reason: why it is used: what it does for us, and why no public
+            route serves.
+        checked: the versions it was checked on.
+        probe: ``probe(package)`` returns the symbol, or raises
+            ``AttributeError``/``ImportError``/``KeyError``/``TypeError``
+            when it is missing or changed; ``package`` is the imported
+            framework module it belongs to (``keras``, ``tf_keras``, ...).
+    """
+
+    symbol: str
+    distribution: str
+    reason: str
+    checked: str
+    probe: Callable[[Any], Any]
+
+
+REGISTRY: list[Private] = []
+
+
+def private(symbol: str, distribution: str, reason: str, checked: str, probe: Callable[[Any], Any]) -> Private:
+    """Declare a private symbol (at import of its compatibility module)."""
+    entry = Private(symbol, distribution, reason, checked, probe)
+    REGISTRY.append(entry)
+    return entry
+
+
+def attributes(owner: Any, *names: str) -> tuple:
+    """``owner``'s attributes ``names`` (``AttributeError`` for a missing one):
+    what a probe of several symbols of one class returns."""
+    return tuple(getattr(owner, name) for name in names)
+
+
+def require(entry: Private, package: Any) -> Any:
+    """``entry``'s symbol in ``package`` (cached).
+
+    Raises:
+        PrivateSymbolMissing: it is missing or changed in the installed
+            version (the message names the symbol, the reason and both
+            versions).
+    """
+    return _resolve(entry, package)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(entry: Private, package: Any) -> Any:
+    try:
+        return entry.probe(package)
+    except (AttributeError, ImportError, KeyError, TypeError) as e:
+        raise PrivateSymbolMissing(message(entry, package, e)) from None
+
+
+def message(entry: Private, package: Any, error: Exception | None = None) -> str:
+    """What went wrong, for :class:`PrivateSymbolMissing` and the test."""
+    installed = getattr(package, "__version__", None) or _packages.version(entry.distribution)
+    detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+    return (
+        f"accum_optimizer needs the private symbol {entry.symbol} of {entry.distribution} "
+        f"({entry.reason}), which the installed {entry.distribution} {installed} does not "
+        f"have or has changed{detail}. It was checked on {entry.checked}. Use one of those "
+        "versions, or report this at the accum_optimizer issue tracker."
+    )

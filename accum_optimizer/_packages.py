@@ -1,0 +1,65 @@
+"""Which Keras and TensorFlow packages are imported or active.
+
+A leaf module (it imports nothing of this package): the dispatcher and the
+families both ask it. Looking only at ``sys.modules`` means asking imports
+nothing the user did not, except :func:`active_keras`, which imports
+TensorFlow to resolve ``tf.keras``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def major(module: Any) -> int:
+    """The major version of a module's ``__version__`` (0 if unknown)."""
+    try:
+        return int(str(getattr(module, "__version__", "0")).split(".")[0])
+    except ValueError:  # pragma: no cover - odd version strings
+        return 0
+
+
+def keras3() -> Any:
+    """The Keras 3 package, if it is imported."""
+    keras = sys.modules.get("keras")
+    return keras if keras is not None and major(keras) >= 3 else None
+
+
+def keras2_packages() -> list:
+    """Imported Keras 2 packages: ``tf_keras``, and ``keras`` 2.x (TF <= 2.15)."""
+    found = []
+    for name in ("tf_keras", "keras"):
+        module = sys.modules.get(name)
+        if module is not None and major(module) == 2:
+            found.append(module)
+    return found
+
+
+def tensorflow() -> Any:
+    """TensorFlow, if it is imported."""
+    return sys.modules.get("tensorflow")
+
+
+def active_keras() -> tuple[str, Any]:
+    """``("keras3" | "keras2", package)``: the Keras that ``tf.keras`` is.
+
+    ``tf.keras`` is Keras 3 on TF >= 2.16 unless ``TF_USE_LEGACY_KERAS`` is
+    set (then ``tf_keras``), and Keras 2 on TF <= 2.15. Resolving it imports
+    only that Keras.
+    """
+    import tensorflow as tf
+
+    top = tf.keras.optimizers.Optimizer.__module__.split(".")[0]
+    package = sys.modules[top]
+    return ("keras3" if major(package) >= 3 else "keras2"), package
+
+
+def version(package: str) -> str:
+    """The installed version of a package (``"not installed"`` if absent)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"

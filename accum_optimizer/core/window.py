@@ -1,0 +1,448 @@
+"""The accumulation window: the whole algorithm, for every family and framework.
+
+One call of :func:`micro_step` is one micro-step:
+
+1. ``acc_grads[i] += c * grads[i]`` for every gradient that is not ``None``
+   (a scatter-add for a sparse gradient, never a densification; ``c`` is the
+   micro-step's ``weight``, its count; without one, no multiplication),
+   ``window_weight += c`` (1 without a weight); where rows are tracked, the
+   rows the gradient touched are marked.
+2. ``micro_steps += 1``, ``mini_step += 1``, ``grad_received |= mask``.
+3. If ``mini_step`` reaches the window's N (:func:`window_length`):
+   :func:`close_window` calls the inner optimizer once with the window's
+   gradient (``Σ cᵢ·gᵢ / Σ cᵢ`` for ``"mean"``, ``Σ cᵢ·gᵢ`` for ``"sum"``),
+   gated per variable by ``grad_received``, then zeroes the accumulators,
+   ``window_weight``, ``mini_step`` and ``grad_received``. Otherwise nothing
+   else happens: the model weights and every variable of the inner optimizer
+   stay bitwise untouched.
+
+:func:`flush` runs step 3 on a partial window (normalised by its own
+``Σ cᵢ``, never by N). A window whose counts sum to 0 is discarded instead of
+applied. :func:`pass_through` is N = 1 without a window.
+
+Every write of a micro-step waits for that micro-step's gradients
+(``backend.after``): otherwise a traced step whose input ends (``OutOfRange``
+from a dataset of unknown length) would still run the counter writes, which
+have no data dependency on the gradients: a phantom micro-step per epoch.
+
+Non-finite gradients (``Rules.nonfinite``): ``"propagate"`` is the above.
+``"skip_micro_step"``: a micro-step whose gradients are not all finite on
+every replica adds nothing and is not counted (``skipped_micro_steps += 1``).
+``"skip_window"``: it is counted but adds nothing and marks the window,
+whose last micro-step then discards it (``skipped_windows += 1``), as the
+large batch would skip its step.
+
+Accumulators may be wider than their variables (float32 for 16-bit
+weights): each gradient is cast to the accumulator's dtype when added, and
+the window gradient back to the variable's once, after the division.
+
+Every function takes the family's :class:`~accum_optimizer.core.state.Backend`
+first; nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Sequence
+
+from accum_optimizer.core.state import ONE_REPLICA, Backend, Replicas, Rules, WindowState
+
+LOCAL_COUNT = object()
+"""Divisor of :func:`apply_window`: each replica's own ``window_weight``."""
+
+UNKNOWN_POSITION = -1
+"""``mini_step`` meaning "not known yet" (see :func:`resume_position`)."""
+
+
+def _noop() -> Any:
+    return None
+
+
+# ------------------------------------------------------------ the micro-step
+def micro_step(
+    b: Backend,
+    state: WindowState,
+    rules: Rules,
+    grads: Sequence[Any],
+    *,
+    replicas: Replicas = ONE_REPLICA,
+    weight: Any = None,
+    finite: Any = None,
+) -> Any:
+    """One micro-step: accumulate, count, and on a window's last micro-step update.
+
+    Args:
+        b: the family's backend.
+        state: the window's variables.
+        rules: N (or its schedule), reduction, non-finite policy, weighting.
+        grads: one entry per variable of ``state`` (build order): a dense
+            gradient of the variable's shape, a sparse one, or ``None``. Under
+            a distribution strategy, in cross-replica context, the
+            per-replica values.
+        replicas: how to reach the replicas (default: one device).
+        weight: the micro-step's count ``c`` (float32 scalar; per replica
+            under a strategy), or ``None`` for 1.
+        finite: optional boolean scalar, the same on every replica, that
+            replaces the finiteness check of ``grads`` (a verdict reached
+            elsewhere). The constant ``False`` (with every gradient ``None``)
+            records a micro-step an outer loss-scale optimizer skipped;
+            nothing of the update is then built. Ignored by ``"propagate"``.
+
+    Returns:
+        What ``b.cond`` returns (an op for TF1 graph code).
+    """
+    check_state(state, rules)
+    mask = [0 if g is None else 1 for g in grads]
+    sparse = [sparse_window(b, g, state.rows_tracker(i)) for i, g in enumerate(grads)]
+    with b.after(list(grads) + [weight]):
+        if rules.nonfinite == "propagate":
+            ok = None
+            accumulated = replicas.each(accumulate, b, state, grads, weight)
+        elif finite is False:
+            return skipped_micro_step(b, state, rules, replicas)
+        else:
+            ok = b.cast(finite, "bool") if finite is not None else replicas.all(replicas.each(b.all_finite, grads))
+            accumulated = b.cond(ok, lambda: replicas.each(accumulate, b, state, grads, weight), _noop)
+        with b.after(accumulated):
+            counted = count(b, state, mask, rules.nonfinite, ok)
+        with b.after(counted):
+            closes = window_closes(b, state, rules)
+            if rules.nonfinite == "skip_micro_step":
+                # A skipped micro-step is not counted: the counters still
+                # hold what closed the previous window.
+                closes = b.logical_and(ok, closes)
+            weighted = weight is not None if rules.weighted is None else rules.weighted
+            return b.cond(
+                closes, lambda: close_window(b, state, rules, replicas, sparse, mask, weighted), _noop
+            )
+
+
+def accumulate(b: Backend, state: WindowState, grads: Sequence[Any], weight: Any = None) -> list:
+    """Step 1 (in each replica): ``acc_grads[i] += weight * grads[i]``,
+    ``window_weight += weight`` (1 without one), rows marked."""
+    # The writes wait for this replica's gradients here too: under a
+    # strategy this runs in each replica's thread, outside the caller's
+    # ordering scope, and the count has no data dependency on them.
+    with b.after(list(grads) + [weight]):
+        dtype = b.dtype(state.window_weight)
+        count = b.constant(1.0, dtype) if weight is None else b.cast(weight, dtype)
+        done = [b.assign_add(state.window_weight, count)]
+        for i, (acc, grad) in enumerate(zip(state.acc_grads, grads)):
+            if grad is None:
+                continue
+            g = b.cast_gradient(grad, b.dtype(acc))
+            done.append(b.assign_add(acc, g if weight is None else b.scale(g, weight)))
+            tracker = state.rows_tracker(i)
+            if tracker is None:
+                continue
+            if b.is_sparse(grad):
+                indices = b.sparse_indices(grad)
+                done.append(b.scatter_update(tracker, indices, b.fill_rows_like(tracker, indices, 1)))
+            else:  # a dense gradient touches every row
+                done.append(b.assign(tracker, b.fill_like(tracker, 1)))
+        return done
+
+
+def count(b: Backend, state: WindowState, mask: Sequence[int], nonfinite: str, ok: Any) -> Any:
+    """Step 2 under each policy (``ok``: the finiteness flag, or ``None``).
+
+    ``"propagate"``: ``micro_steps``, ``mini_step`` += 1, ``grad_received |=
+    mask``. ``"skip_micro_step"``: that if finite, else only
+    ``skipped_micro_steps += 1``. ``"skip_window"``: the counters move either
+    way (the micro-batch is one of the window's N); finite: ``grad_received
+    |= mask``, else ``skipped_micro_steps += 1`` and the window is marked.
+    """
+    if nonfinite == "propagate":
+        return advance(b, state) + mark_received(b, state, mask)
+
+    def skipped() -> list:
+        done = [increment(b, state.skipped_micro_steps)]
+        if nonfinite == "skip_window":
+            done.append(b.assign(state.window_poisoned, b.ones_like(state.window_poisoned)))
+        return done
+
+    if nonfinite == "skip_micro_step":
+        return b.cond(ok, lambda: advance(b, state) + mark_received(b, state, mask), skipped)
+    counted = advance(b, state)
+    with b.after(counted):
+        return [counted, b.cond(ok, lambda: mark_received(b, state, mask), skipped)]
+
+
+def advance(b: Backend, state: WindowState) -> list:
+    """``micro_steps += 1`` and ``mini_step += 1``."""
+    return [increment(b, state.micro_steps), increment(b, state.mini_step)]
+
+
+def mark_received(b: Backend, state: WindowState, mask: Sequence[int]) -> list:
+    """``grad_received |= mask``."""
+    received = state.grad_received
+    if all(mask):
+        return [b.assign(received, b.ones_like(received))]
+    if any(mask):
+        return [b.assign(received, b.maximum(received, b.constant(list(mask), b.dtype(received))))]
+    return []
+
+
+def increment(b: Backend, counter: Any) -> Any:
+    """``counter += 1``."""
+    return b.assign_add(counter, b.constant(1, b.dtype(counter)))
+
+
+def window_length(b: Backend, rules: Rules, state: WindowState) -> Any:
+    """N of the current window: the int, or the schedule's N for the
+    window's first update (a dict: piecewise constant over updates; a
+    callable of the int64 update index, asserted >= 1 when the step runs)."""
+    length = rules.length
+    if isinstance(length, numbers.Integral):
+        return int(length)
+    update = b.cast(b.read(state.updates), "int64")
+    if isinstance(length, dict):
+        keys = sorted(length)
+        return b.piecewise(update, keys, [length[k] for k in keys])
+    return b.checked_positive(
+        b.cast(length(update), "int64"), "gradient_accumulation_steps(update_index) must return an int >= 1"
+    )
+
+
+def window_closes(b: Backend, state: WindowState, rules: Rules) -> Any:
+    """Boolean scalar: does the micro-step just counted close its window
+    (``mini_step >= N``)?"""
+    mini_step = b.read(state.mini_step)
+    return b.greater_equal(mini_step, b.cast(window_length(b, rules, state), b.dtype(mini_step)))
+
+
+# ------------------------------------------------------- the end of a window
+def close_window(
+    b: Backend,
+    state: WindowState,
+    rules: Rules,
+    replicas: Replicas,
+    sparse: Sequence[bool],
+    mask: Sequence[int],
+    weighted: bool,
+) -> Any:
+    """One inner update with the window gradient or, for a window marked
+    non-finite (``"skip_window"``) or whose counts sum to 0, a discard.
+
+    The normaliser of ``"mean"``: ``weighted`` (counts may differ between
+    replicas): ``window_weight`` summed over replicas, divided by their
+    number (each replica's gradient is already its mean loss's divided by
+    the replica count, Keras' convention), read once per update (one scalar
+    reduction under a strategy). Otherwise each replica's own
+    ``window_weight``, with no reduction.
+    """
+    if weighted:
+        total = b.read(state.window_weight)
+        divisor = b.divide(total, b.cast(replicas.count, b.dtype(total))) if replicas.count != 1 else total
+    else:
+        total, divisor = None, LOCAL_COUNT
+
+    def update() -> Any:
+        applied = replicas.each(apply_window, b, state, sparse, mask, divisor, rules.reduction)
+        with b.after(applied):
+            return restart_window(b, state)
+
+    def drop() -> Any:
+        return discard_window(b, state, sparse, replicas, count_skipped=False)
+
+    def weighted_update() -> Any:
+        if total is None:
+            return update()
+        return b.cond(b.greater(total, 0), update, drop)
+
+    if rules.nonfinite != "skip_window":
+        return weighted_update()
+    poisoned = b.greater(b.read(state.window_poisoned), 0)
+    return b.cond(poisoned, lambda: discard_window(b, state, sparse, replicas), weighted_update)
+
+
+def apply_window(
+    b: Backend, state: WindowState, sparse: Sequence[bool], mask: Sequence[int], divisor: Any, reduction: str
+) -> list:
+    """In each replica: the inner update with the window's gradients, then
+    the accumulators zeroed (only the touched rows of a sparse window)."""
+    rows = [b.touched(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
+    handed = [r if r is not None and state.hands_sparse(i) else None for i, r in enumerate(rows)]
+    dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
+    if divisor is LOCAL_COUNT:
+        divisor = b.read(state.window_weight)  # this replica's
+    window = [
+        b.cast_gradient(window_gradient(b, acc, divisor, reduction, r), dtype)
+        for acc, r, dtype in zip(state.acc_grads, handed, dtypes)
+    ]
+    received = b.read(state.grad_received) if not all(mask) else None
+    gates = {i: b.greater(received[i], 0) for i, m in enumerate(mask) if not m}
+    applied = b.apply_inner(window, gates)
+    with b.after(applied):
+        return reset(b, state, rows)
+
+
+def window_gradient(b: Backend, acc: Any, divisor: Any, reduction: str, rows: Any = None) -> Any:
+    """The gradient one update applies, from one accumulator.
+
+    ``"mean"``: ``acc / divisor``, the window's count ``Σ cᵢ``: for a loss
+    that is a mean over its micro-batch, exactly the gradient of the mean
+    loss over the window's samples (micro-steps where the variable had no
+    gradient contribute zero, as the missing samples' terms do in the large
+    batch). ``"sum"``: ``acc``. With ``rows``: sparse, over those rows, each
+    once (what a lazy sparse optimizer must see to match the large batch
+    trained on its own sparse gradient).
+    """
+    value = b.read(acc) if rows is None else b.gather_rows(acc, rows)
+    if reduction == "mean":
+        value = b.divide(value, b.cast(divisor, b.dtype(value)))
+    return value if rows is None else b.sparse(value, rows, acc)
+
+
+def reset(b: Backend, state: WindowState, rows: Sequence[Any]) -> list:
+    """Zero ``window_weight`` and the accumulators (only the touched rows
+    where ``rows[i]`` is given, and their marks)."""
+    zero = b.unfoldable_zero(state.micro_steps)
+    done = [b.assign(state.window_weight, b.cast(zero, b.dtype(state.window_weight)))]
+    for i, (acc, r) in enumerate(zip(state.acc_grads, rows)):
+        tracker = state.rows_tracker(i)
+        if r is None:
+            done.append(b.assign(acc, b.fill_like(acc, zero)))
+            if tracker is not None:
+                done.append(b.assign(tracker, b.fill_like(tracker, zero)))
+            continue
+        done.append(b.scatter_update(acc, r, b.fill_rows_like(acc, r, zero)))
+        done.append(b.scatter_update(tracker, r, b.fill_rows_like(tracker, r, zero)))
+    return done
+
+
+def restart_window(b: Backend, state: WindowState) -> list:
+    """``grad_received = 0`` and ``mini_step = 0`` (cross-replica counters)."""
+    return [
+        b.assign(state.grad_received, b.zeros_like(state.grad_received)),
+        b.assign(state.mini_step, b.zeros_like(state.mini_step)),
+    ]
+
+
+def discard_window(
+    b: Backend, state: WindowState, sparse: Sequence[bool], replicas: Replicas, count_skipped: bool = True
+) -> Any:
+    """End a window without an update: zero the accumulators (in each
+    replica), ``grad_received`` and ``mini_step``; with ``count_skipped``
+    (``"skip_window"``) also clear the mark and ``skipped_windows += 1``.
+    The inner optimizer is not called, so the weights, its slots,
+    ``iterations``, schedules and EMA do not move."""
+    dropped = replicas.each(zero_accumulators, b, state, sparse)
+    with b.after(dropped):
+        done = restart_window(b, state)
+        if count_skipped:
+            done += [
+                b.assign(state.window_poisoned, b.zeros_like(state.window_poisoned)),
+                increment(b, state.skipped_windows),
+            ]
+        return done
+
+
+def zero_accumulators(b: Backend, state: WindowState, sparse: Sequence[bool]) -> list:
+    """Zero the accumulators (the touched rows only where ``sparse[i]``)."""
+    return reset(b, state, [b.touched(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)])
+
+
+def skipped_micro_step(b: Backend, state: WindowState, rules: Rules, replicas: Replicas) -> Any:
+    """A micro-step known to be non-finite when it is built (one an outer
+    loss-scale optimizer skipped): ``"skip_micro_step"``:
+    ``skipped_micro_steps += 1``. ``"skip_window"``: also ``micro_steps`` and
+    ``mini_step`` += 1 and the window is marked; if that closes the window,
+    it is discarded."""
+    skipped = [increment(b, state.skipped_micro_steps)]
+    if rules.nonfinite == "skip_micro_step":
+        return skipped
+    skipped += [b.assign(state.window_poisoned, b.ones_like(state.window_poisoned))] + advance(b, state)
+    with b.after(skipped):
+        sparse = [False] * len(state.acc_grads)
+        return b.cond(
+            window_closes(b, state, rules), lambda: discard_window(b, state, sparse, replicas), _noop
+        )
+
+
+def sparse_window(b: Backend, grad: Any, tracker: Any) -> bool:
+    """Does the update hand the inner optimizer this variable's window over
+    its touched rows (a trace-time decision)? Only for a variable with a row
+    tracker, and then when its gradient on the closing micro-step is sparse
+    or ``None`` (a variable that got its sparse gradients from another train
+    op, in TF1 graph code, must still get the sparse window)."""
+    return tracker is not None and (grad is None or b.is_sparse(grad))
+
+
+# ---------------------------------------------------- outside a micro-step
+def flush(b: Backend, state: WindowState, rules: Rules, *, replicas: Replicas = ONE_REPLICA) -> Any:
+    """Apply the current, partial window now, if it holds a micro-step.
+
+    What the closing micro-step does (:func:`close_window`), without a
+    micro-step: normalised by what the window holds (``window_weight``,
+    never N), every variable gated by ``grad_received``; then the window
+    restarts. ``micro_steps`` does not move; the inner ``iterations`` does,
+    by one. A no-op on an empty window (``mini_step == 0``). Called in
+    cross-replica context under a strategy. ``rules.weighted`` ``None``
+    counts as weighted.
+    """
+    check_state(state, rules)
+    mask = [0] * len(state.acc_grads)
+    sparse = [sparse_window(b, None, state.rows_tracker(i)) for i in range(len(state.acc_grads))]
+    weighted = True if rules.weighted is None else rules.weighted
+    return b.cond(
+        b.greater(b.read(state.mini_step), 0),
+        lambda: close_window(b, state, rules, replicas, sparse, mask, weighted),
+        _noop,
+    )
+
+
+def pass_through(
+    b: Backend, micro_steps: Any, grads: Sequence[Any], update: Callable[[list], Any], reduction: str,
+    weight: Any = None,
+) -> list:
+    """N = 1 without a window: ``update(grads)`` (the inner optimizer's
+    update with this micro-step's gradients) and ``micro_steps += 1``, both
+    after the gradients. With a ``weight``, a window of one micro-step:
+    ``c·g/c = g`` (``"mean"``) or ``c·g`` (``"sum"``), and a count of 0
+    applies nothing."""
+    with b.after(list(grads) + [weight]):
+        if weight is None:
+            applied = update(list(grads))
+        else:
+            if reduction == "sum":
+                grads = [None if g is None else b.scale(g, weight) for g in grads]
+            applied = b.cond(b.greater(weight, 0), lambda: update(list(grads)), _noop)
+        return [applied, increment(b, micro_steps)]
+
+
+def resume_position(
+    b: Backend, state: WindowState, rules: Rules, *, replicas: Replicas = ONE_REPLICA
+) -> Any:
+    """If ``mini_step`` is negative (:data:`UNKNOWN_POSITION`: a fresh
+    optimizer of a family that restores lazily, or state restored from a
+    checkpoint saved before ``mini_step`` existed): ``mini_step =
+    micro_steps % N`` (0 under a schedule: no such checkpoint has one) and,
+    in each replica, ``window_weight = mini_step`` (every micro-step of such
+    a window counted 1): what the window's position was before it had its
+    own counter, so that such a checkpoint resumes exactly. One scalar
+    ``cond``; families whose checkpoints restore lazily and by name call it
+    before every micro-step and flush."""
+    mini_step = state.mini_step
+
+    def derive() -> Any:
+        dtype = b.dtype(mini_step)
+        if isinstance(rules.length, numbers.Integral):
+            position = b.cast(b.floormod(b.read(state.micro_steps), int(rules.length)), dtype)
+        else:
+            position = b.constant(0, dtype)
+        counted = replicas.each(_set_count, b, state.window_weight, position)
+        return [b.assign(mini_step, position), counted]
+
+    return b.cond(b.less(b.read(mini_step), 0), derive, _noop)
+
+
+def _set_count(b: Backend, window_weight: Any, position: Any) -> Any:
+    return b.assign(window_weight, b.cast(position, b.dtype(window_weight)))
+
+
+def check_state(state: WindowState, rules: Rules) -> None:
+    """Raise ``ValueError`` if ``state`` lacks a variable ``rules`` need."""
+    missing = [name for name in rules.needs() if getattr(state, name) is None]
+    if missing:
+        raise ValueError(f"{rules} need WindowState fields {missing}; the family did not supply them.")

@@ -1,0 +1,134 @@
+"""What the two Keras 2 families (:mod:`~accum_optimizer.families.keras2`,
+:mod:`~accum_optimizer.families.legacy`) share: one wrapper class per Keras 2
+package.
+
+Keras 2 is ``tf_keras`` (TF >= 2.16) or the ``keras`` 2.x of TF <= 2.15; both
+can be imported in one process. A wrapper must be an instance of its inner
+optimizer's package's ``Optimizer`` (that package's ``compile``,
+``LossScaleOptimizer`` and saving accept nothing else), so each family
+builds one class per package (:func:`wrapper_classes`), registered with that
+package's serialization; ``__new__`` hands an inner optimizer of another
+package to that package's class (:class:`PerPackage`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from accum_optimizer import _args
+from accum_optimizer._packages import active_keras, keras2_packages
+
+
+def package_of(optimizer: Any, base_of: Callable[[Any], Any]) -> Any:
+    """The imported Keras 2 package whose ``base_of(package)`` class
+    ``optimizer`` is an instance of, or ``None``."""
+    for package in keras2_packages():
+        base = base_of(package)
+        if base is not None and isinstance(optimizer, base):
+            return package
+    return None
+
+
+def primary_package(family: str) -> Any:
+    """The Keras 2 package a family's module-level class is built on: the
+    active ``tf.keras`` if it is Keras 2, else an imported Keras 2 package
+    (``tf_keras`` first), else ``tf_keras`` if it imports.
+
+    Raises:
+        ImportError: no Keras 2 package is available.
+    """
+    kind, package = active_keras()
+    if kind == "keras2":
+        return package
+    imported = keras2_packages()
+    if imported:
+        return imported[0]
+    try:
+        import tf_keras
+
+        return tf_keras
+    except ImportError:
+        raise ImportError(
+            f"accum_optimizer.families.{family} needs Keras 2: tf.keras on "
+            "TensorFlow <= 2.15, or the tf_keras package (pip install tf_keras, "
+            "with TF_USE_LEGACY_KERAS=1 to make it tf.keras)."
+        ) from None
+
+
+class PerPackage:
+    """Mixin: an inner optimizer of another imported Keras 2 package than the
+    class' own (``tf_keras`` beside TF 2.15's ``keras``) gets that package's
+    wrapper class."""
+
+    _keras: Any = None  # the class' Keras 2 package (set by `wrapper_classes`)
+    # Keras 2 restores checkpoints lazily and by name: `mini_step` starts
+    # "unknown" and is derived before each micro-step and flush.
+    _resumes_position = True
+    _wrapper_class: Callable[[Any], type]
+    _base_of: Callable[[Any], Any]
+
+    def __new__(cls, inner_optimizer: Any = _args.REQUIRED, *args: Any, **kwargs: Any) -> Any:
+        package = package_of(inner_optimizer, cls._base_of)
+        if package is not None and package is not cls._keras:
+            return cls._wrapper_class(package)(inner_optimizer, *args, **kwargs)
+        return super().__new__(cls)
+
+    # What the family's inner optimizers are, for messages: "a {_KIND}
+    # instance ({package}.{_API}.Optimizer, e.g. {package}.{_API}.Adam(){_ALSO})".
+    _KIND: str
+    _API: str
+    _ALSO = ""
+    _GET_ARGUMENTS = ""  # shown after `optimizers.get`
+
+    @staticmethod
+    def _resolve(package: Any, identifier: Any) -> Any:
+        """An optimizer of ``package`` from a name or config dict."""
+        raise NotImplementedError
+
+    def _inner_spec(self) -> _args.InnerSpec:
+        package, name = self._keras, self._keras.__name__
+        return _args.InnerSpec(
+            f"a {self._KIND} instance (`{name}.{self._API}.Optimizer`, e.g. {name}.{self._API}.Adam(){self._ALSO})",
+            self._base_of(package),
+            lambda identifier: self._resolve(package, identifier),
+            f"{name}.optimizers.get{self._GET_ARGUMENTS}",
+            getattr(getattr(package, "mixed_precision", None), "LossScaleOptimizer", ()),
+        )
+
+    def _inner_example(self) -> str:
+        return f"{self._keras.__name__}.{self._API}.Adam"
+
+    @property
+    def lr(self) -> Any:
+        """Alias of ``learning_rate``: what Keras 2 callbacks
+        (``LearningRateScheduler``, ``ReduceLROnPlateau``) read and assign."""
+        return self.inner_optimizer.learning_rate
+
+    @lr.setter
+    def lr(self, learning_rate: Any) -> None:
+        self.inner_optimizer.learning_rate = learning_rate
+
+
+def wrapper_classes(
+    mixins: tuple, base_of: Callable[[Any], Any], registered_name: str, module: str, doc: str | None
+) -> Callable[[Any], type]:
+    """``wrapper_class(package)``: the ``AccumulatingOptimizer`` class of a
+    family for one Keras 2 package, a subclass of ``mixins`` and
+    ``base_of(package)``, registered with that package's
+    ``register_keras_serializable(package="accum_optimizer", name=registered_name)``;
+    one class per package (cached)."""
+    cache: dict[str, type] = {}
+
+    def wrapper_class(package: Any) -> type:
+        cls = cache.get(package.__name__)
+        if cls is None:
+            cls = type("AccumulatingOptimizer", (*mixins, base_of(package)), {
+                "__module__": module, "__qualname__": "AccumulatingOptimizer", "__doc__": doc,
+                "_keras": package, "_wrapper_class": staticmethod(wrapper_class),
+                "_base_of": staticmethod(base_of),
+            })
+            register = package.utils.register_keras_serializable(package="accum_optimizer", name=registered_name)
+            cls = cache[package.__name__] = register(cls)
+        return cls
+
+    return wrapper_class

@@ -1,0 +1,317 @@
+"""The window algorithm's :class:`~accum_optimizer.core.state.Backend` in
+TensorFlow, and the TensorFlow checks every family shares.
+
+:class:`TFBackend` is the core's arithmetic in ``tf`` ops, for all four
+families (Keras 3 on TF, Keras 2, legacy ``OptimizerV2``/tensorflow-addons,
+TF1). A family subclasses it only where its world differs: how it writes
+variables (TF1 graph code returns the ops, to order them by hand) and how it
+calls its inner optimizer (``apply_inner``). Sparse gradients are
+``tf.IndexedSlices``; per-replica values (``tf.distribute``) are accepted
+wherever a gradient is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+
+class TFBackend:
+    """:class:`~accum_optimizer.core.state.Backend` over ``tf.Variable`` s in
+    TF2 code (eager or ``tf.function``, ordered by automatic control
+    dependencies), replica-local (``ON_READ``) variables included.
+
+    Args:
+        apply_inner: ``apply_inner(window_grads, gates)``, the family's one
+            call of its inner optimizer (see the protocol).
+    """
+
+    def __init__(self, apply_inner: Callable[[list, dict], Any] | None = None) -> None:
+        self._apply_inner = apply_inner
+
+    # -- the family's variables and inner optimizer
+    def assign(self, variable: Any, value: Any) -> Any:
+        variable.assign(tf.cast(value, self.dtype(variable)))
+
+    def assign_add(self, variable: Any, value: Any) -> Any:
+        if isinstance(value, tf.IndexedSlices):
+            # Scatter into the resource handle: in replica context a
+            # replica-local variable's handle is this replica's own (its
+            # container has no scatter ops).
+            tf.raw_ops.ResourceScatterAdd(
+                resource=variable.handle, indices=value.indices, updates=tf.cast(value.values, self.dtype(variable))
+            )
+            self.scattered(variable)
+        else:
+            variable.assign_add(tf.cast(value, self.dtype(variable)))
+
+    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=variable.handle, indices=indices, updates=tf.cast(updates, self.dtype(variable))
+        )
+        self.scattered(variable)
+
+    def scattered(self, variable: Any) -> None:
+        """Called after a scatter into ``variable`` (a hook: see
+        :func:`accum_optimizer.families._tf2.scattered`)."""
+
+    def cond(self, pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        static = None if isinstance(pred, tf.Variable) else tf.get_static_value(pred)
+        if static is not None:  # known when traced: build one branch only
+            true_fn() if static else false_fn()
+            return None
+        tf.cond(pred, lambda: _none(true_fn()), lambda: _none(false_fn()))
+        return None
+
+    def apply_inner(self, window_grads: list, gates: dict) -> Any:
+        return self._apply_inner(window_grads, gates)
+
+    def after(self, values: Any) -> Any:
+        deps = control_inputs(values)
+        return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
+
+    # -- values
+    read = staticmethod(tf.convert_to_tensor)
+    cast = staticmethod(tf.cast)
+    constant = staticmethod(tf.constant)
+    equal = staticmethod(tf.equal)
+    greater = staticmethod(tf.greater)
+    greater_equal = staticmethod(tf.greater_equal)
+    less = staticmethod(tf.less)
+    logical_and = staticmethod(tf.logical_and)
+    maximum = staticmethod(tf.maximum)
+    floormod = staticmethod(tf.math.floormod)
+    divide = staticmethod(tf.math.truediv)  # what `x / y` is for tensors
+    ones_like = staticmethod(tf.ones_like)
+    zeros_like = staticmethod(tf.zeros_like)
+
+    def dtype(self, value: Any) -> Any:
+        return tf.as_dtype(value.dtype).base_dtype  # a TF1 RefVariable's is `float32_ref`
+
+    def fill_like(self, variable: Any, value: Any) -> Any:
+        return tf.fill(tf.shape(variable), tf.cast(value, self.dtype(variable)))
+
+    def fill_rows_like(self, variable: Any, rows: Any, value: Any) -> Any:
+        shape = tf.concat([tf.shape(rows)[:1], tf.constant(static_shape(variable)[1:], tf.int32)], 0)
+        return tf.fill(shape, tf.cast(value, self.dtype(variable)))
+
+    def unfoldable_zero(self, counter: Any) -> Any:
+        # `assign(acc, zeros(shape))` with a constant 0 gets constant-folded
+        # by TensorFlow's graph optimizer into a constant as large as the
+        # accumulator, which the traced function then keeps alive: one more
+        # copy of the parameters, resident for good (measured on a 244 MiB
+        # embedding table). `max(min(counter, 0), 0)` is 0 for every integer
+        # but is only known when the step runs.
+        return tf.maximum(tf.minimum(tf.convert_to_tensor(counter), 0), 0)
+
+    def piecewise(self, x: Any, boundaries: Sequence[int], values: Sequence[int]) -> Any:
+        position = tf.reduce_sum(tf.cast(tf.constant(list(boundaries), tf.int64) <= x, tf.int32)) - 1
+        return tf.gather(tf.constant(list(values), tf.int64), position)
+
+    def checked_positive(self, value: Any, message: str) -> Any:
+        with tf.control_dependencies([tf.debugging.assert_positive(value, message=message)]):
+            return tf.identity(value)
+
+    # -- gradients
+    def all_finite(self, grads: Sequence[Any]) -> Any:
+        # One `is_finite` reduction per gradient, combined into one scalar
+        # in the graph: no host sync.
+        flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
+        if not flags:
+            return tf.constant(True)
+        return tf.reduce_all(tf.stack(flags)) if len(flags) > 1 else flags[0]
+
+    def scale(self, grad: Any, weight: Any) -> Any:
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype), grad.indices, grad.dense_shape)
+        return grad * tf.cast(weight, grad.dtype)
+
+    def cast_gradient(self, grad: Any, dtype: Any) -> Any:
+        if dtype is None:
+            return grad
+        dtype = tf.as_dtype(dtype).base_dtype
+        if grad.dtype.base_dtype == dtype:
+            return grad
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+        return tf.cast(grad, dtype)
+
+    def is_sparse(self, grad: Any) -> bool:
+        return isinstance(local_value(grad), tf.IndexedSlices)
+
+    def sparse_indices(self, grad: Any) -> Any:
+        return grad.indices
+
+    def touched(self, tracker: Any) -> Any:
+        return tf.reshape(tf.where(tf.convert_to_tensor(tracker) > 0), [-1])
+
+    def gather_rows(self, variable: Any, rows: Any) -> Any:
+        # On the tf.Variable itself (a Keras 3 variable's `value`), so that
+        # the gather is a ResourceGather of the rows: a gather on the Keras
+        # variable reads the whole accumulator first (a table-sized copy).
+        inner = getattr(variable, "value", None)
+        return tf.gather(inner if isinstance(inner, tf.Variable) else variable, rows)
+
+    def sparse(self, values: Any, rows: Any, like: Any) -> Any:
+        return tf.IndexedSlices(values, rows, dense_shape=tf.constant(static_shape(like), tf.int64))
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _values(grad: Any) -> Any:
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def static_shape(variable: Any) -> list[int]:
+    """A variable's shape as ints (variables have a static shape)."""
+    return [int(d) for d in variable.shape]
+
+
+def local_value(value: Any) -> Any:
+    """One replica's value of a per-replica value (the value itself otherwise)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value.values[0]
+    return value
+
+
+def control_inputs(values: Any) -> list:
+    """The tensors and ops behind ``values`` (nested; sparse and per-replica
+    values expanded), to order what follows after them; empty when
+    executing eagerly, where there is nothing to order."""
+    if tf.executing_eagerly():
+        return []
+    found = []
+    for v in tf.nest.flatten(values, expand_composites=True):
+        if isinstance(v, (tf.Tensor, tf.Operation)):
+            found.append(v)
+        elif isinstance(getattr(v, "op", None), tf.Operation):
+            found.append(v.op)
+    return found
+
+
+# ------------------------------------------------------------------ checks
+def check_weight(weight: Any) -> Any:
+    """Check a micro-step's ``weight`` (its count ``c``); return it as a
+    float32 scalar tensor, or ``None`` for ``None``.
+
+    Python numbers and eager tensors are checked at once; a symbolic tensor
+    (inside ``tf.function``) when the step runs: the micro-step's writes wait
+    for an assertion, so a negative or non-finite weight stops the step with
+    ``InvalidArgumentError`` before any state changes.
+
+    Raises:
+        TypeError: not a real number or numeric tensor.
+        ValueError: not a scalar; negative, NaN or infinite.
+    """
+    if weight is None:
+        return None
+    try:
+        if isinstance(weight, (bool, str, bytes)):
+            raise TypeError
+        value = tf.convert_to_tensor(weight)
+        if not (value.dtype.is_floating or value.dtype.is_integer) or value.dtype == tf.bool:
+            raise TypeError
+    except (TypeError, ValueError):
+        raise TypeError(
+            "`weight` must be a scalar >= 0 (the micro-batch's count: samples, "
+            f"sum of sample weights or unmasked tokens). Received weight={weight!r} "
+            f"of type {type(weight).__name__}."
+        ) from None
+    value = tf.cast(value, tf.float32)
+    if value.shape.rank is not None and value.shape.rank != 0:
+        raise ValueError(
+            "`weight` must be a scalar (one count per micro-step). Received a "
+            f"value of shape {tuple(value.shape)}."
+        )
+    if tf.executing_eagerly() or tf.get_static_value(value) is not None:
+        number = float(tf.get_static_value(value))
+        if not (number >= 0 and number < float("inf")):
+            raise ValueError(
+                "`weight` must be finite and >= 0 (the micro-batch's count). "
+                f"Received weight={number!r}."
+            )
+        return value
+    check = tf.debugging.assert_all_finite(value, "`weight` must be finite")
+    with tf.control_dependencies([check, tf.debugging.assert_non_negative(value, message="`weight` must be >= 0")]):
+        return tf.identity(value)
+
+
+def check_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> None:
+    """Raise ValueError if a gradient's static shape differs from its variable's.
+
+    ``grads[i]`` is a tensor, a ``tf.IndexedSlices`` (its static
+    ``dense_shape`` is checked) or ``None`` (skipped); dimensions unknown at
+    trace time are skipped here (:func:`shape_checked` checks them when the
+    step runs). ``name_of(variable)`` names the variable in the message.
+    """
+    for g, v in zip(grads, variables):
+        if g is None:
+            continue
+        g_shape, v_shape = _gradient_shape(g), tuple(v.shape)
+        if g_shape is None:
+            continue
+        if len(g_shape) != len(v_shape) or any(
+            a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)
+        ):
+            raise ValueError(
+                f"Gradient shape {g_shape} does not match the shape {v_shape} "
+                f"of variable {name_of(v)!r}; each gradient must have "
+                "its variable's shape."
+            )
+
+
+def shape_checked(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> list:
+    """``grads`` with each dense gradient whose shape is not fully known at
+    trace time checked when the step runs (``tf.ensure_shape``: the check
+    gates every write of the micro-step that uses it)."""
+    return [
+        g
+        if g is None or isinstance(g, tf.IndexedSlices) or g.shape.is_fully_defined()
+        else tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{op_name(name_of(v))}")
+        for g, v in zip(grads, variables)
+    ]
+
+
+def _gradient_shape(value: Any) -> tuple | None:
+    """Static shape of a gradient (``dense_shape`` of a ``tf.IndexedSlices``),
+    ``None`` where unknown."""
+    if isinstance(value, tf.IndexedSlices):
+        if value.dense_shape is None:
+            return None
+        static = tf.get_static_value(value.dense_shape)
+        return None if static is None else tuple(int(d) for d in static)
+    shape = getattr(value, "shape", None)
+    if shape is None or shape.rank is None:
+        return None
+    return tuple(None if d is None else int(d) for d in shape)
+
+
+def as_gradients(grads: Sequence[Any], variables: Sequence[Any]) -> list:
+    """Gradients as the inner optimizer takes them: tensors,
+    ``tf.IndexedSlices`` and ``None`` as they are, anything else (NumPy
+    arrays, Python lists) converted to a tensor of its variable's dtype."""
+    return [
+        g if g is None or isinstance(g, (tf.IndexedSlices, tf.Variable)) or tf.is_tensor(g) or hasattr(g, "dense_shape")
+        else tf.convert_to_tensor(g, dtype=v.dtype)
+        for g, v in zip(grads, variables)
+    ]
+
+
+def no_gradients(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> None:
+    """Raise ValueError if every gradient is ``None``."""
+    if all(g is None for g in grads):
+        raise ValueError(f"No gradients provided for any variable: {[name_of(v) for v in variables]}.")
+
+
+def variable_name(variable: Any) -> str:
+    """``keras.Variable.path``, or a ``tf.Variable``'s name."""
+    return getattr(variable, "path", None) or variable.name
+
+
+def op_name(name: str) -> str:
+    """``name`` with the characters TF op names refuse replaced."""
+    return "".join(c if c.isalnum() or c in "._-/" else "_" for c in name)

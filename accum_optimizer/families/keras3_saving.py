@@ -1,0 +1,214 @@
+"""What the Keras 3 family keeps and restores: its saved state, and the
+``LossScaleOptimizer`` outside it.
+
+:class:`Keras3Saving` is a mixin of
+:class:`accum_optimizer.families.keras3.AccumulatingOptimizer`: the order of
+:attr:`variables` is the saved layout (the wrapper's own, the inner
+optimizer's, then the optional trailing blocks: the skip counters, the
+window's position and count, the row trackers), restored into an unbuilt
+optimizer when it builds, and from layouts saved by earlier versions (which
+lack some trailing blocks). A ``LossScaleOptimizer`` that ``compile`` puts
+outside (``"mixed_float16"``) is found when it builds this optimizer; its
+loss scale is saved with this optimizer's state, because Keras skips the
+state of an unbuilt ``LossScaleOptimizer`` when it loads weights.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from accum_optimizer import core
+from accum_optimizer._compat import keras3 as compat
+from accum_optimizer.families import _tf2
+from accum_optimizer.families._tf import variable_name
+
+# Key prefix, in this optimizer's saved store, of the variables of a
+# LossScaleOptimizer outside (see `save_own_variables`).
+_OUTER_KEY = "outer_optimizer."
+
+
+class Keras3Saving:
+    """The Keras 3 wrapper's saving, restoring and outer ``LossScaleOptimizer``."""
+
+    # ------------------------------------------- a LossScaleOptimizer outside
+    @property
+    def outer_optimizer(self) -> Any:
+        """The ``LossScaleOptimizer`` wrapped around this optimizer (found
+        when it built this one), or ``None``."""
+        ref = self.__dict__.get("_outer_ref")
+        return None if ref is None else ref()
+
+    def _attach_outer(self, outer: Any) -> None:
+        """Remember the ``LossScaleOptimizer`` outside (weakly, untracked: it
+        is not this optimizer's state to save as a child), restore its state
+        if it was saved with this optimizer's, and, for a skipping policy,
+        learn of the micro-steps it skips."""
+        if outer is None:
+            return
+        self.__dict__["_outer_ref"] = weakref.ref(outer)
+        if self._deferred_outer_state is not None:
+            state, self.__dict__["_deferred_outer_state"] = self._deferred_outer_state, None
+            with _tf2.outside_functions():
+                self._load_outer_state(state)
+        if self.nonfinite != "propagate":
+            compat.hook_non_finite_branch(outer, self, self._outer_skipped_micro_step)
+
+    def _outer_skipped_micro_step(self) -> None:
+        """Record a micro-step that the ``LossScaleOptimizer`` outside skipped:
+        the same micro-step as a non-finite one seen here, with no gradients."""
+        import tensorflow as tf
+
+        grads = [None] * len(self._build_order)
+        if tf.distribute.in_cross_replica_context():
+            self._cross_replica_step(tf.distribute.get_strategy(), grads, finite=False)
+        else:
+            self._micro_step(grads, core.ONE_REPLICA, finite=False)
+
+    def _outer_own_variables(self) -> list:
+        """The outer optimizer's own variables (its ``variables`` without
+        this optimizer's), in its order."""
+        outer = self.outer_optimizer
+        if outer is None:
+            return []
+        variables = list(outer.variables)
+        own = variables[: len(variables) - len(self.variables)]
+        mine = {id(v) for v in self.variables}
+        return [v for v in own if id(v) not in mine]
+
+    def _load_outer_state(self, state: Mapping[str, Any]) -> None:
+        variables = self._outer_own_variables()
+        if len(variables) != len(state):
+            raise ValueError(
+                f"Cannot restore the state of {type(self.outer_optimizer).__name__} "
+                f"'{self.outer_optimizer.name}' saved with optimizer '{self.name}': "
+                f"it has {len(variables)} variables, the saved state has {len(state)}."
+            )
+        for i, variable in enumerate(variables):
+            variable.assign(state[f"{_OUTER_KEY}{i}"])
+
+    # ------------------------------------------------------------- saving
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Assign ``weights`` (arrays in the order of :attr:`variables`).
+
+        Raises:
+            ValueError: the optimizer is not built, or the number or shapes of
+                ``weights`` do not match :attr:`variables`.
+        """
+        if not self.built:
+            raise ValueError(
+                "set_weights() needs a built optimizer; call "
+                "`optimizer.build(trainable_variables)` first."
+            )
+        _tf2.assign_all(self.variables, list(weights), variable_name)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Save :attr:`variables` (keys ``"0"``, ``"1"``, ...) and, with a
+        ``LossScaleOptimizer`` outside, its own variables (loss scale and
+        growth counter) under ``"outer_optimizer.0"``, ...
+
+        Keras restores a ``LossScaleOptimizer``'s state only when it is
+        already built; loading weights into a fresh model skips it with a
+        warning, and the loss scale would restart from its initial value.
+        Saved here, it is restored with this optimizer's state when the
+        ``LossScaleOptimizer`` builds (see :meth:`build`).
+        """
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = variable.numpy()
+        for i, variable in enumerate(self._outer_own_variables()):
+            store[f"{_OUTER_KEY}{i}"] = variable.numpy()
+
+    def load_own_variables(self, store: Mapping[str, Any]) -> None:
+        """Restore state saved by :meth:`save_own_variables`.
+
+        On an optimizer that is not built yet the values are kept and
+        restored by :meth:`build` (Keras itself would skip them with a
+        warning). An empty store (weights saved without optimizer state)
+        restores nothing. State saved without the variables of the skipping
+        policies, the window's position or the row trackers (older versions,
+        another policy) loads too (see :func:`_tf2.saved_layout`). The state
+        of a ``LossScaleOptimizer`` outside, if saved, is restored into the
+        ``LossScaleOptimizer`` this optimizer is built by.
+
+        Raises:
+            ValueError: the number of saved variables does not match.
+        """
+        keys = list(store.keys())
+        own_keys = [k for k in keys if not k.startswith(_OUTER_KEY)]
+        outer_keys = [k for k in keys if k.startswith(_OUTER_KEY)]
+        if not own_keys:
+            return  # weights saved without optimizer state: nothing to restore
+        if not self.built:
+            self.__dict__["_deferred_state"] = {k: np.asarray(store[k]) for k in keys}
+            self._restore_counters(self._deferred_state)
+            return
+        d = self.__dict__
+        blocks = [d["_nonfinite_variables"], d["_window_variables"], d["_tracker_variables"]]
+        variables = _tf2.saved_layout(self.variables, blocks, [np.asarray(store[k]) for k in sorted(own_keys, key=int)])
+        if len(own_keys) != len(variables):
+            raise ValueError(
+                f"Cannot restore optimizer '{self.name}': it has "
+                f"{len(variables)} variables but the saved state has "
+                f"{len(own_keys)}. Was it saved with a different inner "
+                "optimizer, gradient_accumulation_steps, nonfinite policy or "
+                "model? To load only the model's weights, use "
+                "keras.saving.load_weights(model, path, "
+                "objects_to_skip=[model.optimizer]) on a .weights.h5 file."
+            )
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
+        if d["_window_variables"] and not any(v is self.mini_step for v in variables):
+            # Saved before the window had its own position (0.2.0.dev0 and
+            # older, no flush, no schedule): it was `micro_steps % N`.
+            steps = self.gradient_accumulation_steps
+            position = int(self.micro_steps.numpy()) % steps if isinstance(steps, int) else 0
+            self.mini_step.assign(position)
+            self.window_weight.assign(float(position))
+        if d["_tracker_variables"] and not any(variables[-1] is t for t in d["_tracker_variables"]):
+            self._mark_rows_of_restored_accumulators()
+        if outer_keys:
+            outer_state = {k: np.asarray(store[k]) for k in outer_keys}
+            if self.outer_optimizer is not None:
+                self._load_outer_state(outer_state)
+            else:
+                self.__dict__["_deferred_outer_state"] = outer_state
+
+    def _mark_rows_of_restored_accumulators(self) -> None:
+        """State saved without row trackers (by a version before them): mark
+        every row whose restored accumulator is non-zero, so that the window
+        in progress loses nothing when it closes."""
+        for acc, tracker in zip(self.acc_grads, self._row_trackers):
+            if tracker is None:
+                continue
+            value = np.asarray(acc.numpy())
+            touched = np.any(value.reshape(value.shape[0], -1) != 0, axis=1)
+            tracker.assign(touched.astype("float16"))
+
+    def _restore_counters(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore, before build, the two counters that already exist:
+        ``micro_steps`` and the inner ``iterations`` (what resume idioms read
+        to compute ``initial_epoch``). The rest waits for :meth:`build`,
+        which checks that the whole state fits.
+
+        The saved order is :attr:`variables`: ``micro_steps``, then (when
+        accumulating) ``grad_received`` of shape ``(n,)`` and ``n``
+        accumulators, then the inner optimizer's variables, ``iterations``
+        first.
+        """
+        inner_vars = self.inner_optimizer.variables
+        if not inner_vars or inner_vars[0] is not self.inner_optimizer.iterations:
+            return
+        own = 1
+        if self._accumulates:
+            received = state.get("1")
+            if received is None or received.ndim != 1:
+                return
+            own = 2 + received.shape[0]
+        for key in ("0", str(own)):
+            value = state.get(key)
+            if value is None or value.shape != () or not np.issubdtype(value.dtype, np.integer):
+                return
+        self.micro_steps.assign(state["0"])
+        self.inner_optimizer.iterations.assign(state[str(own)])
