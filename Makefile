@@ -12,6 +12,9 @@
 #   tf215      .venvs/tf215         TF 2.15.1 + its Keras 2.15 + tensorflow-addons 0.23
 #
 # Tests of a family a leg lacks skip with a reason (tests/families.py).
+# After the legs, `make test` builds the documentation site (`make docs`,
+# its own venv .venvs/docs from pyproject's `docs` extra, no TensorFlow) with
+# --strict, so that a broken page, link or API reference fails it too.
 PYTHON ?= python3
 VENV   ?= .venv
 VENVS  ?= .venvs
@@ -22,6 +25,8 @@ BENCH_OUT  ?= bench_output
 SHELL := bash
 
 LEGS ?= k3 k3-oldest tfkeras tf215
+# `make test TEST_DOCS=` leaves the docs build out.
+TEST_DOCS ?= yes
 
 TF1_TESTS := $(foreach f,$(wildcard tests/test_tf1*.py),--ignore=$(f))
 
@@ -67,7 +72,7 @@ ENV_tf215      :=
 # (The Keras 2 new API's window tests run in tfkeras, on tf_keras 2.21.)
 ARGS_tf215     := --ignore=tests/test_keras2_windows.py
 
-.PHONY: venv venvs demo test test-full bench clean \
+.PHONY: venv venvs demo test test-full bench docs venv-docs clean \
 	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))
 
 # A leg's stamp is named after a checksum of its Python, extras and pins, so
@@ -95,6 +100,36 @@ $(foreach leg,$(LEGS),$(eval $(call LEG_RULES,$(leg))))
 
 venv: venv-k3
 
+# ---- the documentation site: MkDocs from pyproject's `docs` extra (exact
+# pins) in its own venv, without the package or TensorFlow (the API reference
+# reads the docstrings by static analysis). Reinstalled when pyproject.toml
+# changes. Python 3.10 has no tomllib; pip vendors the same reader.
+DOCS_VENV  := $(VENVS)/docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+define DOCS_EXTRA_PY
+try:
+    import tomllib
+except ImportError:
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["docs"]))
+endef
+export DOCS_EXTRA_PY
+
+$(DOCS_STAMP): pyproject.toml
+	rm -f $(DOCS_VENV)/.installed*
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -c "$$DOCS_EXTRA_PY" > $(DOCS_VENV)/requirements.txt
+	$(DOCS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r $(DOCS_VENV)/requirements.txt
+	touch $@
+
+venv-docs: $(DOCS_STAMP)
+
+## Build the documentation site into site/ (every link, anchor and API
+## reference must resolve: --strict).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/python -m mkdocs build --strict --site-dir site
+
 ## Every leg's environment (installs only what is missing).
 venvs: $(addprefix venv-,$(LEGS))
 
@@ -103,7 +138,8 @@ demo: $(STAMP_k3)
 	$(DIR_k3)/bin/python examples/digits_demo.py $(DEMO_ARGS)
 
 ## The test suite in every leg, one after the other, with the bounded CI
-## hypothesis profile; fails if any leg fails, after running them all.
+## hypothesis profile, then the docs build; fails if any leg (or the docs)
+## fails, after running them all.
 test:
 	@mkdir -p $(VENVS); failed=0; summary=""; \
 	for leg in $(LEGS); do \
@@ -115,8 +151,18 @@ test:
 	  [ $$rc -eq 0 ] && result=ok || { result=FAILED; failed=$$((failed+1)); }; \
 	  summary+="$$leg: $$result ($${line:-no pytest summary}); install $$((mid-start)) s, tests $$((SECONDS-mid)) s"$$'\n'; \
 	done; \
+	legs=$(words $(LEGS)); \
+	if [ -n "$(TEST_DOCS)" ]; then \
+	  legs=$$((legs+1)); start=$$SECONDS; \
+	  if $(MAKE) --no-print-directory venv-docs; then \
+	    mid=$$SECONDS; echo "==== docs: mkdocs build --strict"; \
+	    $(MAKE) --no-print-directory docs 2>&1 | tee $(VENVS)/.docs.log; rc=$${PIPESTATUS[0]}; \
+	    [ $$rc -eq 0 ] && result=ok || { result=FAILED; failed=$$((failed+1)); }; \
+	    summary+="docs: $$result; install $$((mid-start)) s, build $$((SECONDS-mid)) s"$$'\n'; \
+	  else failed=$$((failed+1)); summary+="docs: install FAILED"$$'\n'; fi; \
+	fi; \
 	echo "==== make test: one line per leg"; printf '%s' "$$summary"; \
-	echo "legs: $$(( $(words $(LEGS)) - failed )) passed, $$failed failed"; \
+	echo "legs: $$(( legs - failed )) passed, $$failed failed"; \
 	[ $$failed -eq 0 ]
 
 ## The same with the larger hypothesis profile (slow; opt-in).
@@ -128,4 +174,4 @@ bench: $(STAMP_k3)
 	$(DIR_k3)/bin/python -m benchmarks $(BENCH_ARGS) --out $(BENCH_OUT)
 
 clean:
-	rm -rf $(VENV) $(VENVS) demo_output bench_output .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENVS) demo_output bench_output site .pytest_cache .hypothesis
