@@ -72,7 +72,7 @@ ENV_tf215      :=
 # (The Keras 2 new API's window tests run in tfkeras, on tf_keras 2.21.)
 ARGS_tf215     := --ignore=tests/test_keras2_windows.py
 
-.PHONY: venv venvs demo test test-full bench docs venv-docs clean \
+.PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
 	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))
 
 # A leg's stamp is named after a checksum of its Python, extras and pins, so
@@ -164,6 +164,27 @@ test:
 	echo "==== make test: one line per leg"; printf '%s' "$$summary"; \
 	echo "legs: $$(( legs - failed )) passed, $$failed failed"; \
 	[ $$failed -eq 0 ]
+
+## Opt-in, never part of `make test` (an upstream change must not turn CI
+## red): the newest tf-nightly + keras-nightly from the package index, a fresh
+## venv each run. First the list of private symbols and whether the nightlies
+## still have them (`python -m accum_optimizer._compat`), then the suite's
+## Keras 3 and TF1 tests, the fence test among them.
+NIGHTLY_DIR  := $(VENVS)/nightly
+NIGHTLY_PINS := tf-nightly keras-nightly
+NIGHTLY_ARGS ?= -m 'not multiworker' --ignore=tests/test_checkpoint_fixtures.py
+test-nightly:
+	rm -rf $(NIGHTLY_DIR)
+	$(PYTHON) -m venv $(NIGHTLY_DIR)
+	$(NIGHTLY_DIR)/bin/python -m pip install --quiet --upgrade pip
+	$(NIGHTLY_DIR)/bin/python -m pip install --quiet --pre $(NIGHTLY_PINS) \
+	  $$($(PYTHON) -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print(" ".join(repr(r) for r in d["test"] + d["demo"]))' | tr -d "'")
+	$(NIGHTLY_DIR)/bin/python -m pip install --quiet --no-deps -e .
+	@echo "==== nightly: $$($(NIGHTLY_DIR)/bin/python -m pip list 2>/dev/null | grep -iE '^(tf-nightly|keras-nightly) ' | tr -s ' ' | paste -sd ' ')"
+	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow TF_CPP_MIN_LOG_LEVEL=3 \
+	  $(NIGHTLY_DIR)/bin/python -m accum_optimizer._compat; \
+	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow ACCUM_LEG=nightly ACCUM_LEG_PINS='$(NIGHTLY_PINS)' \
+	  $(NIGHTLY_DIR)/bin/python -m pytest $(NIGHTLY_ARGS) $(PYTEST_ARGS)
 
 ## The same with the larger hypothesis profile (slow; opt-in).
 test-full:
