@@ -180,7 +180,7 @@ test-nightly:
 	$(NIGHTLY_DIR)/bin/python -m pip install --quiet --pre $(NIGHTLY_PINS) \
 	  $$($(PYTHON) -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print(" ".join(repr(r) for r in d["test"] + d["demo"]))' | tr -d "'")
 	$(NIGHTLY_DIR)/bin/python -m pip install --quiet --no-deps -e .
-	@echo "==== nightly: $$($(NIGHTLY_DIR)/bin/python -m pip list 2>/dev/null | grep -iE '^(tf-nightly|keras-nightly) ' | tr -s ' ' | paste -sd ' ')"
+	@echo "==== nightly: $$($(NIGHTLY_DIR)/bin/python -m pip list 2>/dev/null | grep -iE '^(tf[-_]nightly|keras[-_]nightly) ' | tr -s ' ' | paste -sd ' ')"
 	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow TF_CPP_MIN_LOG_LEVEL=3 \
 	  $(NIGHTLY_DIR)/bin/python -m accum_optimizer._compat; \
 	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow ACCUM_LEG=nightly ACCUM_LEG_PINS='$(NIGHTLY_PINS)' \

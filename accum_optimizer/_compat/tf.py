@@ -53,8 +53,7 @@ def disable_copy_on_read(variable: Any) -> None:
     if op is None or in_xla_context():
         return
     inner = getattr(variable, "value", None)  # a Keras 3 variable's tf.Variable
-    if isinstance(inner, tf.Variable):
-        variable = inner
+    variable = inner if isinstance(inner, tf.Variable) else variable
     try:
         handle = variable.handle
     except (AttributeError, ValueError):

@@ -32,10 +32,14 @@ class TFBackend:
         self._apply_inner = apply_inner
 
     # -- the family's variables and inner optimizer
+    # (On the tf.Variable itself, as Keras 3's own `optimizer.assign` does: a
+    # Keras variable's `assign_add` is a read, an add and an assign.)
     def assign(self, variable: Any, value: Any) -> Any:
-        variable.assign(tf.cast(value, self.dtype(variable)))
+        variable = tf_variable(variable)
+        variable.assign(tf.cast(value, self.dtype(variable)), read_value=False)
 
     def assign_add(self, variable: Any, value: Any) -> Any:
+        variable = tf_variable(variable)
         if isinstance(value, tf.IndexedSlices):
             # Scatter into the resource handle: in replica context a
             # replica-local variable's handle is this replica's own (its
@@ -45,9 +49,10 @@ class TFBackend:
             )
             self.scattered(variable)
         else:
-            variable.assign_add(tf.cast(value, self.dtype(variable)))
+            variable.assign_add(tf.cast(value, self.dtype(variable)), read_value=False)
 
     def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
+        variable = tf_variable(variable)
         tf.raw_ops.ResourceScatterUpdate(
             resource=variable.handle, indices=indices, updates=tf.cast(updates, self.dtype(variable))
         )
@@ -88,10 +93,12 @@ class TFBackend:
     zeros_like = staticmethod(tf.zeros_like)
 
     def dtype(self, value: Any) -> Any:
-        return tf.as_dtype(value.dtype).base_dtype  # a TF1 RefVariable's is `float32_ref`
+        # A Keras variable's own dtype (its `dtype` follows an autocast
+        # scope); a TF1 RefVariable's is `float32_ref`.
+        return tf.as_dtype(tf_variable(value).dtype).base_dtype
 
     def fill_like(self, variable: Any, value: Any) -> Any:
-        return tf.fill(tf.shape(variable), tf.cast(value, self.dtype(variable)))
+        return tf.fill(tf.shape(tf_variable(variable)), tf.cast(value, self.dtype(variable)))
 
     def fill_rows_like(self, variable: Any, rows: Any, value: Any) -> Any:
         shape = tf.concat([tf.shape(rows)[:1], tf.constant(static_shape(variable)[1:], tf.int32)], 0)
@@ -148,11 +155,10 @@ class TFBackend:
         return tf.reshape(tf.where(tf.convert_to_tensor(tracker) > 0), [-1])
 
     def gather_rows(self, variable: Any, rows: Any) -> Any:
-        # On the tf.Variable itself (a Keras 3 variable's `value`), so that
-        # the gather is a ResourceGather of the rows: a gather on the Keras
-        # variable reads the whole accumulator first (a table-sized copy).
-        inner = getattr(variable, "value", None)
-        return tf.gather(inner if isinstance(inner, tf.Variable) else variable, rows)
+        # On the tf.Variable itself, so that the gather is a ResourceGather of
+        # the rows: a gather on the Keras variable reads the whole
+        # accumulator first (a table-sized copy).
+        return tf.gather(tf_variable(variable), rows)
 
     def sparse(self, values: Any, rows: Any, like: Any) -> Any:
         return tf.IndexedSlices(values, rows, dense_shape=tf.constant(static_shape(like), tf.int64))
@@ -160,6 +166,13 @@ class TFBackend:
 
 def _none(_: Any) -> None:
     return None
+
+
+def tf_variable(variable: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable (its ``value``), else
+    ``variable`` itself."""
+    inner = getattr(variable, "value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
 
 
 def _values(grad: Any) -> Any:

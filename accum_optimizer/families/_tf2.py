@@ -39,6 +39,7 @@ from accum_optimizer.families._tf import (
     local_value,
     no_gradients,
     shape_checked,
+    tf_variable,
     variable_name,
 )
 
@@ -438,8 +439,7 @@ def colocated_with(owner: Any, reference: Any) -> Any:
     """Place variables created in this context beside ``reference`` (by the
     strategy ``owner`` was created under)."""
     strategy = owner.__dict__.get("_strategy") or tf.distribute.get_strategy()
-    inner = getattr(reference, "value", None)  # a Keras 3 variable's tf.Variable
-    return strategy.extended.colocate_vars_with(inner if isinstance(inner, tf.Variable) else reference)
+    return strategy.extended.colocate_vars_with(tf_variable(reference))
 
 
 def outside_functions() -> Any:
