@@ -11,7 +11,7 @@
 #   tfkeras    .venvs/tfkeras       TF 2.21 + tf_keras 2.21 (TF_USE_LEGACY_KERAS=1)
 #   tf215      .venvs/tf215         TF 2.15.1 + its Keras 2.15 + tensorflow-addons 0.23
 #
-# Tests of a family a leg lacks skip with a reason (tests/families.py).
+# Tests of a family a leg lacks skip with a reason (tests/support/families.py).
 PYTHON ?= python3
 VENV   ?= .venv
 VENVS  ?= .venvs
@@ -23,7 +23,7 @@ SHELL := bash
 
 LEGS ?= k3 k3-oldest tfkeras tf215
 
-TF1_TESTS := $(foreach f,$(wildcard tests/test_tf1*.py),--ignore=$(f))
+TF1_TESTS := --ignore=tests/tf1
 
 # ---- per-leg environment: directory, Python, extras, pins, pytest env/args
 DIR_k3         := $(VENV)
@@ -46,9 +46,9 @@ ENV_k3-oldest    :=
 # (test_mixed_precision, test_hardening), and the TF1 family (which the k3
 # and tf215 legs run on the newest and the oldest TensorFlow).
 ARGS_k3-oldest   := -k 'not test_property_accumulation_matches_large_batch' -m 'not multiworker' \
-  --ignore=tests/test_benchmarks_smoke.py --ignore=tests/test_caveats.py \
-  --ignore=tests/test_windows.py --ignore=tests/test_sparse_window.py \
-  --ignore=tests/test_mixed_precision.py --ignore=tests/test_hardening.py $(TF1_TESTS)
+  --ignore=tests/keras3/test_benchmarks_smoke.py --ignore=tests/keras3/test_caveats.py \
+  --ignore=tests/keras3/test_windows.py --ignore=tests/keras3/test_sparse_window.py \
+  --ignore=tests/keras3/test_mixed_precision.py --ignore=tests/keras3/test_hardening.py $(TF1_TESTS)
 
 DIR_tfkeras    := $(VENVS)/tfkeras
 PYTHON_tfkeras := $(PYTHON)
@@ -56,7 +56,7 @@ EXTRAS_tfkeras := test,keras2
 PINS_tfkeras   := tensorflow==2.21.* tf_keras==2.21.*
 ENV_tfkeras    := TF_USE_LEGACY_KERAS=1
 # (The legacy family's window tests run in tf215, beside tensorflow-addons.)
-ARGS_tfkeras   := $(TF1_TESTS) --ignore=tests/test_legacy_windows.py
+ARGS_tfkeras   := $(TF1_TESTS) --ignore=tests/legacy/test_windows.py
 
 # TensorFlow 2.15 has wheels for Python 3.9-3.11 only.
 DIR_tf215      := $(VENVS)/tf215
@@ -65,7 +65,7 @@ EXTRAS_tf215   := test,addons
 PINS_tf215     := tensorflow==2.15.1 tensorflow-addons==0.23.0 numpy<2
 ENV_tf215      :=
 # (The Keras 2 new API's window tests run in tfkeras, on tf_keras 2.21.)
-ARGS_tf215     := --ignore=tests/test_keras2_windows.py
+ARGS_tf215     := --ignore=tests/keras2/test_windows.py
 
 .PHONY: venv venvs demo test test-full bench clean \
 	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))

@@ -9,7 +9,7 @@ Keras 2 or 3): it imports TensorFlow and hypothesis, nothing of Keras.
   ``HYPOTHESIS_PROFILE=full`` or ``make test-full``).
 * ``strategy``: one session-wide 2-replica MirroredStrategy fixture.
 * The report header names the leg (``ACCUM_LEG``), the versions that import
-  and the optimizer families usable here (``tests/families.py``).
+  and the optimizer families usable here (``tests/support/families.py``).
 """
 
 import os
@@ -68,7 +68,7 @@ def strategy():
 
 
 def pytest_report_header(config):
-    import families
+    from support import families
 
     def version(dist):
         try:

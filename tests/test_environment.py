@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 from packaging.requirements import Requirement
 
-import families
+from support import families
 
 LEG = os.environ.get("ACCUM_LEG")
 PINS = os.environ.get("ACCUM_LEG_PINS", "").split()

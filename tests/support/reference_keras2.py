@@ -1,0 +1,381 @@
+"""Batch-N·B reference helpers for the Keras 2 (``tf.keras`` is Keras 2) tests.
+
+The accumulating run and its reference share the model architecture, the
+initial weights (one seed), the data and the sample order: the reference
+trains the plain inner optimizer on batches of ``N·B`` samples, the
+accumulating run trains ``AccumulatingOptimizer(inner, N)`` on the same
+samples split into ``N`` consecutive micro-batches of ``B``. Both run the
+same way (eagerly, or in a ``tf.function``), because some Keras 2 optimizers
+round differently in the two.
+
+Import only from test modules that called ``require("keras2")`` (or
+``"legacy"``/``"tfa"``) first.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from accum_optimizer import AccumulatingOptimizer
+
+keras = tf.keras  # Keras 2 here: keras 2.15 on TF 2.15, tf_keras under TF_USE_LEGACY_KERAS=1
+
+IN, HIDDEN, OUT = 5, 4, 3
+VOCAB, DIM, SEQ = 12, 3, 2
+
+
+def dense_model(seed: int = 0, dtype: str = "float32", constraint=None) -> keras.Model:
+    """Dense(HIDDEN, tanh) -> Dense(OUT): a dense-gradient model."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.layers.Dense(HIDDEN, activation="tanh", dtype=dtype, kernel_constraint=constraint,
+                               input_shape=(IN,)),
+            keras.layers.Dense(OUT, dtype=dtype, bias_initializer="glorot_uniform"),
+        ]
+    )
+
+
+def embedding_model(seed: int = 0) -> keras.Model:
+    """Embedding(VOCAB, DIM) -> Flatten -> Dense(OUT): the embedding table's
+    gradient is a ``tf.IndexedSlices`` over the ids looked up."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.layers.Embedding(VOCAB, DIM, input_length=SEQ, input_shape=(SEQ,)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(OUT),
+        ]
+    )
+
+
+def dense_data(n: int, seed: int = 1, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, IN)).astype(dtype), rng.normal(size=(n, OUT)).astype(dtype)
+
+
+def embedding_data(n: int, seed: int = 1, vocab_used: int = VOCAB):
+    """Ids drawn from the first ``vocab_used`` rows only, so that the other
+    rows are never looked up (what lazy sparse optimizers must leave alone)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, vocab_used, size=(n, SEQ)).astype(np.int32)
+    return x, rng.normal(size=(n, OUT)).astype(np.float32)
+
+
+def mse(y, p):
+    return tf.reduce_mean(tf.square(tf.cast(y, p.dtype) - p))
+
+
+def make_step(model, opt, loss_fn=mse, eager=False, jit=False):
+    """One optimizer step on a batch: gradients of ``loss_fn`` (a mean over
+    the batch), then ``opt.apply_gradients``."""
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    if eager:
+        return step
+    return tf.function(step, jit_compile=jit)
+
+
+def run_pair(make_inner, n, b, updates, model_fn=dense_model, data_fn=dense_data,
+             eager=False, reduction="mean", jit=False, loss_fn=mse):
+    """Train the reference (batch ``n*b``) and the accumulating run (``n``
+    micro-batches of ``b``); record the weights after every update.
+
+    ``make_inner(model)`` builds the plain inner optimizer (the model is
+    there for tfa's ``MultiOptimizer``, which needs its layers).
+
+    Returns ``(ref, acc)``: dicts with ``model``, ``opt`` (the optimizer the
+    step called), ``inner`` (the plain optimizer whose state is compared),
+    ``initial`` (the model's initial weights) and ``trajectory``: after every
+    update, the model's weights followed by every variable of the inner
+    optimizer (``iterations``, slots, tfa's slow/average weights).
+    """
+    from accum_optimizer import AccumulatingOptimizer
+
+    x, y = data_fn(n * b * updates)
+    out = []
+    for accumulate in (False, True):
+        model = model_fn()
+        inner = make_inner(model)
+        opt = AccumulatingOptimizer(inner, n, reduction=reduction) if accumulate else inner
+        ref_loss = loss_fn
+        if reduction == "sum" and not accumulate:
+            ref_loss = lambda y_, p_: loss_fn(y_, p_) * n  # noqa: E731 - the "sum" reference
+        step = make_step(model, opt, ref_loss, eager=eager, jit=jit)
+        trajectory = []
+        for u in range(updates):
+            xs, ys = x[u * n * b:(u + 1) * n * b], y[u * n * b:(u + 1) * n * b]
+            if accumulate:
+                for k in range(n):
+                    step(tf.constant(xs[k * b:(k + 1) * b]), tf.constant(ys[k * b:(k + 1) * b]))
+            else:
+                step(tf.constant(xs), tf.constant(ys))
+            trajectory.append([w.numpy().copy() for w in model.weights] + [w.numpy().copy() for w in inner.weights])
+        out.append({"model": model, "opt": opt, "inner": inner, "trajectory": trajectory,
+                    "initial": [w.numpy() for w in model_fn().weights]})
+    return out[0], out[1]
+
+
+# The legacy / tensorflow-addons equivalence setting (legacy/, tfa).
+LEGACY_N, LEGACY_B, LEGACY_UPDATES = 3, 2, 3
+LEGACY_TOL = 1e-5  # float32
+
+
+def check_pair(ref, acc, tol=None, updates=None):
+    """The assertions every legacy/tfa equivalence test makes; returns the
+    max difference over the trajectory (weights and inner state)."""
+    tol = LEGACY_TOL if tol is None else tol
+    updates = LEGACY_UPDATES if updates is None else updates
+    assert moved(ref) > 1e-3, "training must move the weights for the comparison to mean something"
+    assert int(acc["opt"].iterations.numpy()) == updates == int(ref["inner"].iterations.numpy())
+    assert int(acc["opt"].micro_steps.numpy()) == LEGACY_N * updates
+    worst = trajectory_diff(ref, acc)
+    assert worst <= tol, worst
+    assert state_diff(ref, acc) <= tol
+    return worst
+
+
+def max_diff(a, b) -> float:
+    """Max absolute difference between two lists of arrays of equal shapes."""
+    assert len(a) == len(b), (len(a), len(b))
+    worst = 0.0
+    for u, v in zip(a, b):
+        u, v = np.asarray(u), np.asarray(v)
+        assert u.shape == v.shape, (u.shape, v.shape)
+        if u.size:
+            d = float(np.max(np.abs(u.astype(np.float64) - v.astype(np.float64))))
+            worst = max(worst, d if np.isfinite(d) else np.inf)  # NaN/inf never passes
+    return worst
+
+
+def moved(run) -> float:
+    """How far training moved the model (so a comparison means something)."""
+    return max_diff(run["trajectory"][-1][: len(run["initial"])], run["initial"])
+
+
+def trajectory_diff(ref, acc) -> float:
+    return max(max_diff(r, a) for r, a in zip(ref["trajectory"], acc["trajectory"]))
+
+
+def state_diff(ref, acc) -> float:
+    """Max difference over every variable of the inner optimizers (legacy
+    ``weights``: ``iterations``, slots, tfa wrappers' slow/average weights),
+    compared in order."""
+    return max_diff([w.numpy() for w in ref["inner"].weights], [w.numpy() for w in acc["inner"].weights])
+
+
+# ---------------------------------------------------------------------------
+# Keras 2 new-API family (tests/test_keras2_*.py). The same reference: the
+# accumulating run and the plain inner optimizer at batch N*B, same model,
+# initial weights and sample order, run the same way (eagerly, as a
+# tf.function, or XLA-compiled), because some Keras 2 optimizers do not
+# compute the same in eager and graph mode (Nadam's `_u_product` cache is a
+# Python counter).
+# ---------------------------------------------------------------------------
+MODES = ("eager", "graph", "xla")
+
+
+def make_mlp(seed: int = 0, in_dim: int = 6, hidden: int = 5, out_dim: int = 3, dtype: str = "float32"):
+    """A small two-layer MLP whose initial weights depend only on ``seed``."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((in_dim,), dtype=dtype),
+            keras.layers.Dense(hidden, activation="tanh", dtype=dtype),
+            keras.layers.Dense(out_dim, dtype=dtype),
+        ]
+    )
+
+
+def make_data(n: int, in_dim: int = 6, out_dim: int = 3, seed: int = 1, dtype: str = "float32"):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, in_dim)).astype(dtype), rng.normal(size=(n, out_dim)).astype(dtype)
+
+
+
+def make_train_step(model, optimizer, loss_fn=mse, mode: str = "graph"):
+    """A custom-loop step (tape, gradients, ``apply_gradients``), run as ``mode``."""
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    if mode == "eager":
+        return step
+    return tf.function(step, jit_compile=(mode == "xla"))
+
+
+def train(model, optimizer, x, y, batch: int, steps: int, loss_fn=mse, mode: str = "graph"):
+    """``steps`` optimizer calls on consecutive batches of ``batch`` samples."""
+    step = make_train_step(model, optimizer, loss_fn, mode)
+    for s in range(steps):
+        sl = slice(s * batch, (s + 1) * batch)
+        step(tf.constant(x[sl]), tf.constant(y[sl]))
+    return model
+
+
+def reference_and_accumulated(
+    model_fn: Callable[[], keras.Model],
+    optimizer_fn: Callable[[], keras.optimizers.Optimizer],
+    n: int,
+    micro_batch: int,
+    windows: int,
+    reduction: str = "mean",
+    mode: str = "graph",
+    dtype: str = "float32",
+    data_seed: int = 1,
+):
+    """Train the reference (``windows`` steps of batch ``n*micro_batch``) and the
+    accumulating model (``n*windows`` micro-steps of ``micro_batch``).
+
+    With ``reduction="sum"`` the reference loss is multiplied by ``n`` (the
+    sum of ``n`` micro-batch mean losses has that gradient).
+    """
+    ref_model, acc_model = model_fn(), model_fn()
+    in_dim = ref_model.inputs[0].shape[-1]
+    out_dim = ref_model.outputs[0].shape[-1]
+    x, y = make_data(n * micro_batch * windows, in_dim, out_dim, data_seed, dtype)
+    scale = float(n) if reduction == "sum" else 1.0
+
+    def ref_loss(yt, yp):
+        return mse(yt, yp) * tf.cast(scale, yp.dtype)
+
+    ref_opt = optimizer_fn()
+    acc_opt = AccumulatingOptimizer(optimizer_fn(), gradient_accumulation_steps=n, reduction=reduction)
+    train(ref_model, ref_opt, x, y, n * micro_batch, windows, loss_fn=ref_loss, mode=mode)
+    train(acc_model, acc_opt, x, y, micro_batch, n * windows, mode=mode)
+    return ref_model, acc_model, ref_opt, acc_opt
+
+
+def optimizer_cases() -> dict:
+    """One factory per Keras 2 new-API optimizer class (and SGD/RMSprop
+    variant); every class Keras 2.15 and tf_keras 2.21 have."""
+    o = keras.optimizers
+    return {
+        "sgd": lambda: o.SGD(0.1),
+        "sgd_momentum": lambda: o.SGD(0.1, momentum=0.9),
+        "sgd_nesterov": lambda: o.SGD(0.1, momentum=0.9, nesterov=True),
+        "adam": lambda: o.Adam(1e-2),
+        "adam_amsgrad": lambda: o.Adam(1e-2, amsgrad=True),
+        "adamw": lambda: o.AdamW(1e-2, weight_decay=0.05),
+        "adamax": lambda: o.Adamax(1e-2),
+        "adagrad": lambda: o.Adagrad(5e-2),
+        "adadelta": lambda: o.Adadelta(1.0),
+        "rmsprop": lambda: o.RMSprop(1e-2),
+        "rmsprop_centered": lambda: o.RMSprop(1e-2, centered=True, momentum=0.5),
+        "nadam": lambda: o.Nadam(1e-2),
+        "ftrl": lambda: o.Ftrl(5e-2, l1_regularization_strength=1e-3, l2_regularization_strength=1e-3),
+        "lion": lambda: o.Lion(1e-3),
+        "adafactor": lambda: o.Adafactor(1e-2),
+    }
+
+
+# ------------------------------------------------- missing gradients
+def missing_grad_model():
+    """y = a(x) + b(x); b's kernel has a NonNeg constraint and starts with
+    negative entries, so constraining it without an update would show."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((4,))
+    a = keras.layers.Dense(2, name="branch_a")
+    b = keras.layers.Dense(
+        2,
+        name="branch_b",
+        kernel_constraint=keras.constraints.NonNeg(),
+        kernel_initializer=keras.initializers.RandomNormal(stddev=1.0, seed=5),
+    )
+    return keras.Model(inp, [a(inp), b(inp)])
+
+
+def missing_grad_loss(model, xb, yb, uses_b):
+    pa, pb = model(xb)
+    return mse(yb, pa + pb) if uses_b else mse(yb, pa)
+
+
+# Which micro-steps of each window use branch b (N = 4). Window 0: never (b
+# must not move: no update, no weight decay, no constraint, no EMA); window
+# 1: only the first micro-step; window 2: all but the last (a wrapper that
+# drops the window when the last gradient is None loses this sum); window 3:
+# all; window 4: never again, now that b, its moments and its EMA shadow are
+# away from their initial values (slot decay, weight decay and an EMA step
+# would all show).
+MISSING_GRAD_PATTERN = [[False] * 4, [True, False, False, False], [True, True, True, False], [True] * 4, [False] * 4]
+MISSING_GRAD_INNERS = {
+    "adamw_ema": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.2, use_ema=True, ema_momentum=0.9),
+    "sgd_momentum_ema_overwrite": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, weight_decay=0.1, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=1
+    ),
+}
+
+
+def missing_grad_reference(inner_fn, x, y, mb, n=4):
+    """The plain optimizer on the hand-built large batch of each window of
+    ``MISSING_GRAD_PATTERN``: one tape over the window's micro-batch losses,
+    so branch b gets ``None`` where no micro-batch uses it."""
+    model = missing_grad_model()
+    opt = inner_fn()
+    k = 0
+    for w, window in enumerate(MISSING_GRAD_PATTERN):
+        with tf.GradientTape() as tape:
+            losses = [
+                missing_grad_loss(model, x[(k + i) * mb : (k + i + 1) * mb], y[(k + i) * mb : (k + i + 1) * mb], u)
+                for i, u in enumerate(window)
+            ]
+            loss = tf.add_n(losses) / n  # mean over the window's N*B samples
+        k += n
+        grads = tape.gradient(loss, model.trainable_variables)
+        assert (grads[2] is None) == (not any(window))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if w == 0:
+            assert np.any(model.get_layer("branch_b").kernel.numpy() < 0), "b must stay untouched in window 0"
+    return model, opt
+
+
+def optimizer_state(opt) -> list:
+    """Every ``tf.Variable`` a Keras 2 optimizer holds, as arrays, in a fixed
+    order: ``opt.variables`` (iterations and slots), then the variables held
+    as attributes and not listed there (the learning rate, a schedule's
+    current learning rate, Nadam's ``_u_product``), by attribute name."""
+    found, seen = [], set()
+
+    def add(v):
+        if isinstance(v, tf.Variable) and id(v) not in seen:
+            seen.add(id(v))
+            found.append(v)
+
+    for v in opt.variables:
+        add(v)
+    for name in sorted(vars(opt)):
+        value = vars(opt)[name]
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            add(v)
+    return [np.array(v.numpy()) for v in found]
+
+
+def max_abs_diff(a_list, b_list) -> float:
+    a_list, b_list = list(a_list), list(b_list)
+    if len(a_list) != len(b_list) or not a_list:
+        raise AssertionError(f"cannot compare {len(a_list)} arrays with {len(b_list)}")
+    diffs = []
+    for a, b in zip(a_list, b_list):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape:
+            raise AssertionError(f"shapes differ: {a.shape} vs {b.shape}")
+        diffs.append(float(np.max(np.abs(a - b))) if a.size else 0.0)
+    return max(diffs)
+
+
+def weights(model_or_vars):
+    vs = model_or_vars.weights if isinstance(model_or_vars, keras.Model) else list(model_or_vars)
+    return [np.array(v.numpy()) for v in vs]
