@@ -18,7 +18,7 @@ from importlib import metadata
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # TensorFlow's BFC allocator on the CPU keeps allocator statistics, which
-# `tf.config.experimental.get_memory_info("CPU:0")` (tests/test_sparse.py)
+# `tf.config.experimental.get_memory_info("CPU:0")` (tests/keras3/test_sparse.py)
 # needs; without it that call raises "Allocator stats not available".
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
@@ -65,6 +65,19 @@ def strategy():
     s = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     assert s.num_replicas_in_sync == 2
     return s
+
+
+_FAMILY_FOLDERS = ("keras3", "keras2", "legacy", "tf1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test in a family's folder carries that family's marker (the
+    contract tests' parameters carry theirs), so a leg can leave a family out
+    with ``-m 'not tf1'``."""
+    for item in items:
+        folder = item.path.parent.name
+        if folder in _FAMILY_FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))
 
 
 def pytest_report_header(config):

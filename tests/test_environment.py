@@ -4,7 +4,7 @@ The Makefile runs every leg with ``ACCUM_LEG=<leg>`` and ``ACCUM_LEG_PINS``
 (the leg's pins, the same strings it installed). These tests check that the
 installed distributions satisfy those pins, that the TensorFlow / Keras that
 actually import are the pinned ones, and that exactly the leg's optimizer
-families are usable (``tests/families.py``), so that a leg whose family
+families are usable (``tests/support/families.py``), so that a leg whose family
 tests would all skip, or that silently resolved other versions, fails here
 instead of passing on skips.
 

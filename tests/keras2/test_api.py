@@ -1,7 +1,7 @@
 """Keras 2 new API: dispatch, identifiers, argument validation, import hygiene.
 
 References: the plain inner optimizer (for identifiers), the same messages as
-the Keras 3 wrapper (shared validators in ``_accumulation``), and the state
+the Keras 3 wrapper (shared validators; tests/core/test_arguments.py), and the state
 before a rejected call (bitwise).
 """
 
@@ -18,10 +18,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import accum_optimizer  # noqa: E402
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
 from accum_optimizer.families import keras2 as keras2_family  # noqa: E402
-from support.reference_keras2 import make_data, make_mlp, max_abs_diff, train, weights  # noqa: E402
+from support.reference import make_data, make_mlp, max_abs_diff, train, weights  # noqa: E402
 
 keras = tf.keras
 o = keras.optimizers

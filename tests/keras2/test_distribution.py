@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
 from support.distribution import ReductionCounter  # noqa: E402
-from support.reference_keras2 import (  # noqa: E402
+from support.reference import (  # noqa: E402
     MISSING_GRAD_INNERS,
     MISSING_GRAD_PATTERN,
     make_data,
@@ -147,7 +147,7 @@ def test_slots_hold_each_replicas_own_unreduced_sum(strategy, monkeypatch):
 
 
 def test_missing_gradients_are_gated_in_every_replica(strategy):
-    # The missing-gradient pattern of test_keras2_semantics (a branch without
+    # The missing-gradient pattern of tests/contract/test_missing_gradients.py (a branch without
     # gradients for whole windows and on a window's last micro-step; weight
     # decay, EMA overwrite and a constraint that must not touch it) in a
     # custom loop under the strategy: the gated updates run in the

@@ -45,7 +45,7 @@ import tensorflow as tf  # noqa: E402
 
 import accum_optimizer  # noqa: E402
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
-from support.reference_keras2 import make_data, make_mlp, optimizer_state, weights  # noqa: E402
+from support.reference import make_data, make_mlp, optimizer_state, weights  # noqa: E402
 
 keras = tf.keras
 N, B = 4, 4

@@ -1,10 +1,10 @@
-"""Keras 2 new API: between updates nothing moves; missing gradients; counters; learning rate.
+"""Keras 2 new API: ``fit`` between updates, the learning rate and its
+callbacks, ``fit`` (also XLA-compiled) and a LossScaleOptimizer outside
+against the large batch. (The custom-loop properties every family has are in
+tests/contract/.)
 
-References: snapshots of the same run (bitwise); the plain optimizer fed the
-gradient of the window's mean loss computed on one tape over the window's
-micro-batch losses (a hand-built large batch), where a variable that no
-micro-batch loss touches gets ``None`` exactly as in large-batch training;
-the plain optimizer trained by ``fit`` at batch N*B; hand-derived values.
+References: snapshots of the same run (bitwise); the plain optimizer trained
+by ``fit`` at batch N*B; hand-derived values.
 """
 
 from support.families import require
@@ -16,19 +16,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
-from support.reference_keras2 import (  # noqa: E402
-    MISSING_GRAD_INNERS as INNERS,
-    MISSING_GRAD_PATTERN as PATTERN,
-    make_data,
-    make_mlp,
-    max_abs_diff,
-    missing_grad_loss as _micro_loss,
-    missing_grad_model as _two_branch_model,
-    missing_grad_reference as _reference_pattern,
-    mse,
-    optimizer_state,
-    weights,
-)
+from support.reference import make_data, make_mlp, max_abs_diff, mse, optimizer_state, weights  # noqa: E402
 
 keras = tf.keras
 o = keras.optimizers
@@ -55,30 +43,6 @@ def _grads(model, xb, yb):
     return tape.gradient(loss, model.trainable_variables)
 
 
-def test_non_update_micro_steps_leave_weights_and_inner_state_bitwise_untouched():
-    # Every inner variable: iterations, moments, EMA shadows, the learning
-    # rate and the schedule's current learning rate. The counters follow the
-    # micro-steps: iterations == m // N, micro_steps == m.
-    n = 4
-    model = make_mlp()
-    opt = AccumulatingOptimizer(_rich_inner(), gradient_accumulation_steps=n)
-    x, y = make_data(3 * 14)
-    step = tf.function(lambda xb, yb: opt.apply_gradients(zip(_grads(model, xb, yb), model.trainable_variables)))
-    opt.build(model.trainable_variables)
-    before = _snapshot(model, opt)
-    for m in range(1, 15):
-        step(tf.constant(x[(m - 1) * 3 : m * 3]), tf.constant(y[(m - 1) * 3 : m * 3]))
-        after = _snapshot(model, opt)
-        assert (int(opt.micro_steps.numpy()), int(opt.iterations.numpy())) == (m, m // n)
-        if m % n:
-            _assert_bitwise_equal(before, after)
-            assert any(np.any(a.numpy() != 0) for a in opt.acc_grads)  # ...while the slots moved
-        else:
-            assert max_abs_diff(before, after) > 0
-            assert all(np.all(a.numpy() == 0) for a in opt.acc_grads)
-        before = after
-
-
 class _StateRecorder(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
@@ -102,55 +66,6 @@ def test_fit_non_update_batches_leave_inner_state_bitwise_untouched():
             _assert_bitwise_equal(rec.states[m - 1], rec.states[m])
         else:
             assert max_abs_diff(rec.states[m - 1], rec.states[m]) > 0
-
-
-# ----------------------------------------------------------- missing grads
-@pytest.mark.parametrize("subset", [False, True], ids=["none_grads", "variable_subset"])
-@pytest.mark.parametrize("inner", sorted(INNERS))
-def test_missing_gradients_lose_nothing_and_unused_variables_do_not_move(inner, subset):
-    inner_fn = INNERS[inner]
-    mb, n = 2, 4
-    x, y = make_data(4 * len(PATTERN) * mb, in_dim=4, out_dim=2)
-    ref_model, ref_opt = _reference_pattern(inner_fn, x, y, mb)
-
-    model = _two_branch_model()
-    opt = AccumulatingOptimizer(inner_fn(), gradient_accumulation_steps=n)
-    opt.build(model.trainable_variables)
-    a_vars = [v for v in model.trainable_variables if "branch_a" in v.name]
-
-    @tf.function
-    def step(xb, yb, uses_b):
-        with tf.GradientTape() as tape:
-            loss = _micro_loss(model, xb, yb, uses_b)
-        grads = tape.gradient(loss, model.trainable_variables)
-        if subset and not uses_b:
-            opt.apply_gradients(zip(grads[:2], a_vars))
-        else:
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-    k = 0
-    for window in PATTERN:
-        for uses_b in window:
-            step(tf.constant(x[k * mb : (k + 1) * mb]), tf.constant(y[k * mb : (k + 1) * mb]), uses_b)
-            k += 1
-    assert int(opt.iterations.numpy()) == len(PATTERN)
-    assert max_abs_diff(weights(ref_model), weights(model)) <= 1e-6
-    assert max_abs_diff(optimizer_state(ref_opt), optimizer_state(opt.inner_optimizer)) <= 1e-6
-    # The patches that gate the update are gone afterwards.
-    assert "update_step" not in vars(opt.inner_optimizer)
-
-
-def test_missing_gradient_on_last_micro_step_keeps_the_window_sum_by_hand():
-    # Plain SGD, lr 1, N = 4, mean. Per micro-step gradients
-    #   w: 1, 2, 3, None  ->  w = 0 - (1 + 2 + 3) / 4 = -1.5
-    #   v: 10, None, 20, 30 -> v = 0 - (10 + 20 + 30) / 4 = -15
-    w, v = tf.Variable(0.0, name="w"), tf.Variable(0.0, name="v")
-    opt = AccumulatingOptimizer(o.SGD(1.0), gradient_accumulation_steps=4)
-    for gw, gv in [(1.0, 10.0), (2.0, None), (3.0, 20.0), (None, 30.0)]:
-        opt.apply_gradients(zip([None if g is None else tf.constant(g) for g in (gw, gv)], [w, v]))
-    assert float(w.numpy()) == -1.5
-    assert float(v.numpy()) == -15.0
-    assert int(opt.iterations.numpy()) == 1
 
 
 # --------------------------------------------------------- learning rate
@@ -202,23 +117,6 @@ def test_reduce_lr_on_plateau_callback_lowers_the_inner_learning_rate():
     np.testing.assert_allclose(acc.optimizer.inner_optimizer.learning_rate.numpy(), 0.1 * 0.5**2, rtol=1e-6)
     np.testing.assert_allclose(acc_hist.history["lr"], ref_hist.history["lr"])
     assert max_abs_diff(weights(ref), weights(acc)) <= 1e-6
-
-
-# ------------------------------------------------------------ pass-through
-def test_single_step_is_pass_through():
-    # N = 1 behaves exactly like the inner optimizer (bitwise, same graph)
-    # and creates no accumulators; micro_steps still counts.
-    x, y = make_data(4 * 5)
-    ref, acc = make_mlp(0), make_mlp(0)
-    ref_opt, acc_opt = o.Adam(1e-2, use_ema=True), AccumulatingOptimizer(o.Adam(1e-2, use_ema=True), 1)
-    for model, opt in ((ref, ref_opt), (acc, acc_opt)):
-        step = tf.function(lambda xb, yb, model=model, opt=opt: opt.apply_gradients(zip(_grads(model, xb, yb), model.trainable_variables)))
-        for s in range(5):
-            step(tf.constant(x[s * 4 : (s + 1) * 4]), tf.constant(y[s * 4 : (s + 1) * 4]))
-    _assert_bitwise_equal(weights(ref), weights(acc))
-    _assert_bitwise_equal(optimizer_state(ref_opt), optimizer_state(acc_opt.inner_optimizer))
-    assert acc_opt.acc_grads == [] and acc_opt.grad_received is None
-    assert (int(acc_opt.micro_steps.numpy()), int(acc_opt.iterations.numpy())) == (5, 5)
 
 
 # ------------------------------------------------------------ model.fit / XLA

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
-from support.reference_keras2 import max_abs_diff, mse, optimizer_cases, optimizer_state, weights  # noqa: E402
+from support.reference import max_abs_diff, mse, optimizer_cases, optimizer_state, weights  # noqa: E402
 
 keras = tf.keras
 VOCAB, DIM = 40, 4

@@ -626,27 +626,6 @@ def test_variables_are_only_optimizer_state():
 # ----------------------------------------------------- N=1 pass-through
 
 
-@pytest.mark.parametrize(
-    "inner_fn",
-    [lambda: keras.optimizers.Adam(0.01), lambda: keras.optimizers.SGD(0.1, momentum=0.9)],
-    ids=["adam", "sgd-momentum"],
-)
-def test_single_step_is_pass_through(inner_fn):
-    b, steps = 4, 5
-    x, y = make_data(b * steps)
-    opt = AccumulatingOptimizer(inner_fn(), gradient_accumulation_steps=1)
-    plain = inner_fn()
-    m_acc = train(make_mlp(0), opt, x, y, b, steps)
-    m_ref = train(make_mlp(0), plain, x, y, b, steps)
-    for a, c in zip(weights(m_acc), weights(m_ref)):
-        np.testing.assert_array_equal(a, c)
-    for a, c in zip(weights(opt.inner_optimizer.variables), weights(plain.variables)):
-        np.testing.assert_array_equal(a, c)
-    assert opt.acc_grads == [] and opt.grad_received is None
-    assert not any("acc_grad" in v.path for v in opt.variables)
-    assert int(opt.iterations) == int(opt.micro_steps) == steps
-
-
 # ------------------------------------------------------- apply entry points
 
 

@@ -23,7 +23,7 @@ Which large batch is the reference depends on the inner optimizer
 
 Tolerance 1e-6: float32 sums of the same 12 per-sample terms in a different
 order (the window sums per micro-batch first), a few ulps of weights of
-order 1, as in tests/test_sparse.py.
+order 1, as in tests/keras3/test_sparse.py.
 """
 
 from support.families import require
@@ -299,7 +299,7 @@ def test_mirrored_fit_with_embedding_matches_single_device_large_batch(strategy)
             ref_step(x[w * N * b : (w + 1) * N * b], y[w * N * b : (w + 1) * N * b])
         assert int(opt.iterations.numpy()) == int(ref_opt.iterations.numpy()) == WINDOWS
         assert max_abs_diff(weights(ref), weights(_model())) > 1e-3
-        # 1e-5: as tests/test_distribution.py (two replicas' float32 partial
+        # 1e-5: as tests/keras3/test_distribution.py (two replicas' float32 partial
         # sums, Adam's division by sqrt(v) amplifying their rounding).
         assert max_abs_diff(weights(model), weights(ref)) <= 1e-5
         table = model.get_layer("table").embeddings.numpy()

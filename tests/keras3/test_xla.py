@@ -3,7 +3,7 @@
 The whole micro-step (scatter/add into the slots, the counter, the ``cond``
 that picks update steps, the inner optimizer's update) must compile with XLA.
 The independent reference is the plain inner optimizer with batch ``N * B``
-and no XLA (``tests/reference.py``), same initial weights, same sample order.
+and no XLA (``tests/support/reference.py``), same initial weights, same sample order.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_jit_compiled_custom_loop_matches_large_batch():
 
     model = make_mlp(seed=0)
     opt = AccumulatingOptimizer(optimizer_fn(), gradient_accumulation_steps=N)
-    step = make_train_step(model, opt, mse, jit_compile=True)
+    step = make_train_step(model, opt, mse, mode="xla")
     for s in range(N * WINDOWS):
         xb, yb = tf.constant(x[s * B : (s + 1) * B]), tf.constant(y[s * B : (s + 1) * B])
         step(xb, yb)

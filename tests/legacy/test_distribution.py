@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from support import reference_keras2 as R  # noqa: E402
+from support import reference as R  # noqa: E402
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
 from support.distribution import ReductionCounter  # noqa: E402
 
@@ -66,10 +66,10 @@ def test_mirrored_fit_matches_single_device_large_batch(strategy, monkeypatch, n
         _fit(model, opt, x, y, B)
     assert int(opt.micro_steps.numpy()) == N * UPDATES
     assert int(opt.iterations.numpy()) == UPDATES == int(ref_inner.iterations.numpy())
-    assert R.max_diff(ref_model.get_weights(), [w.numpy() for w in R.dense_model().weights]
+    assert R.max_abs_diff(ref_model.get_weights(), [w.numpy() for w in R.dense_model().weights]
                       if model_fn is R.dense_model else [w.numpy() for w in R.embedding_model().weights]) > 1e-3
-    assert R.max_diff(model.get_weights(), ref_model.get_weights()) <= TOL
-    assert R.max_diff([w.numpy() for w in opt.inner_optimizer.weights], [w.numpy() for w in ref_inner.weights]) <= TOL
+    assert R.max_abs_diff(model.get_weights(), ref_model.get_weights()) <= TOL
+    assert R.max_abs_diff([w.numpy() for w in opt.inner_optimizer.weights], [w.numpy() for w in ref_inner.weights]) <= TOL
     # As many cross-replica reductions as the large batch: the gradients are
     # reduced once per update, never on a micro-step (N times more steps ran).
     assert int(counter.batch_reduce_to.numpy()) == control
@@ -90,5 +90,5 @@ def test_jit_compile_fit_matches_large_batch():
         runs.append((model, inner))
     (rm, ri), (am, ai) = runs
     assert int(ai.iterations.numpy()) == UPDATES
-    assert R.max_diff(rm.get_weights(), am.get_weights()) <= TOL
-    assert R.max_diff([w.numpy() for w in ri.weights], [w.numpy() for w in ai.weights]) <= TOL
+    assert R.max_abs_diff(rm.get_weights(), am.get_weights()) <= TOL
+    assert R.max_abs_diff([w.numpy() for w in ri.weights], [w.numpy() for w in ai.weights]) <= TOL

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from support import reference_keras2 as R  # noqa: E402
+from support import reference as R  # noqa: E402
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
 
 keras = tf.keras

@@ -120,6 +120,20 @@ def available(family: str) -> bool:
     return why_not(family) is None
 
 
+def keras_module():
+    """The Keras this leg's Keras families use: ``import keras`` where the
+    keras3 family is usable, else ``tf.keras`` (Keras 2: tf_keras under
+    ``TF_USE_LEGACY_KERAS=1``, where ``import keras`` is still Keras 3, or
+    TF 2.15's own Keras)."""
+    if available("keras3"):
+        import keras
+
+        return keras
+    import tensorflow as tf
+
+    return tf.keras
+
+
 def skip_reason(family: str) -> str | None:
     """The full skip message, or ``None`` if ``family`` is usable."""
     reason = why_not(family)

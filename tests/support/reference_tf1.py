@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from accum_optimizer.families.tf1 import AccumulatingOptimizer
+from support import arrays
 
 tf1 = tf.compat.v1
 
@@ -144,15 +145,18 @@ def model_and_inner_state(sess: Any, mlp: Mlp, inner: tf1.train.Optimizer, globa
     return values(sess, list(mlp.variables.values()) + list(inner.variables()) + [global_step])
 
 
-def train_mlp(inner_name: str, n: int | None, micro_batch: int, updates: int, reduction: str = "mean",
+def train_mlp(inner_name: str | Callable, n: int | None, micro_batch: int, updates: int, reduction: str = "mean",
               init: dict | None = None, data: tuple | None = None, var_filter: Callable | None = None,
-              mode: str = "v2") -> dict:
+              mode: str = "v2", every_update: bool = False) -> dict:
     """Train the MLP for ``updates`` updates and return
     :func:`model_and_inner_state`.
 
     ``n=None``: the reference, the plain inner optimizer on batches of
     ``micro_batch`` (pass ``N*B``). Otherwise ``AccumulatingOptimizer(inner,
     n)`` on micro-batches of ``micro_batch`` (``n * updates`` runs).
+    ``inner_name``: a name of :data:`INNER_OPTIMIZERS`, or a factory taking
+    the graph's global step. ``every_update``: return ``{"trajectory": [the
+    state after each update], "micro_steps": the wrapper's count or None}``.
     """
     init = init or mlp_init()
     runs = updates * (n or 1)
@@ -160,22 +164,29 @@ def train_mlp(inner_name: str, n: int | None, micro_batch: int, updates: int, re
     with control_flow(mode), tf.Graph().as_default(), tf1.Session() as sess:
         mlp = build_mlp(init)
         global_step = tf1.train.get_or_create_global_step()
-        inner = INNER_OPTIMIZERS[inner_name](global_step)
+        make_inner = INNER_OPTIMIZERS[inner_name] if isinstance(inner_name, str) else inner_name
+        inner = make_inner(global_step)
         opt = inner if n is None else AccumulatingOptimizer(inner, n, reduction=reduction)
         var_list = None
         if var_filter is not None:
             var_list = [v for v in tf1.trainable_variables() if var_filter(v)]
         train_op = opt.minimize(mlp.loss, global_step=global_step, var_list=var_list)
         sess.run(tf1.global_variables_initializer())
+        trajectory = []
         for k in range(runs):
             batch = slice(k * micro_batch, (k + 1) * micro_batch)
             sess.run(train_op, mlp.feed(x[batch], y[batch]))
+            if every_update and (k + 1) % (n or 1) == 0:
+                trajectory.append(model_and_inner_state(sess, mlp, inner, global_step))
+        if every_update:
+            return {"trajectory": trajectory, "micro_steps": None if n is None else int(sess.run(opt.micro_steps))}
         return model_and_inner_state(sess, mlp, inner, global_step)
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
+    """:func:`support.arrays.max_abs_diff` over two dicts of the same keys."""
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    return max(float(np.max(np.abs(a[k].astype("float64") - b[k].astype("float64")))) for k in a)
+    return arrays.max_abs_diff([a[k] for k in sorted(a)], [b[k] for k in sorted(b)])
 
 
 def assert_close(actual: dict, expected: dict, tol: float = 1e-5) -> float:
@@ -205,6 +216,6 @@ def equivalence_table(n: int = 3, micro_batch: int = 4, updates: int = 3, modes=
 
 
 if __name__ == "__main__":
-    # PYTHONPATH=. python tests/tf1_reference.py: the figures the README quotes.
+    # PYTHONPATH=.:tests python tests/support/reference_tf1.py: the figures the README quotes.
     for mode, name, diff in equivalence_table():
         print(f"{mode}  {name:26s} {diff:.2e}", flush=True)

@@ -1,9 +1,9 @@
-"""TF1 family: dispatch, state variables, pass-through, eager TF2, errors
-(issue 8: "What a user writes" and point 8).
+"""TF1 family: dispatch, state variables, eager TF2, errors (issue 8: "What
+a user writes" and point 8). (Pass-through at N = 1 and the shared
+validators' messages: tests/contract/, tests/core/.)
 
-References: the plain inner optimizer (pass-through, bitwise; eager, batch
-N*B), and the shared validators' own messages (the Keras 3 wrapper raises the
-same ones).
+References: the plain inner optimizer (eager, batch N*B); the messages the
+family documents.
 """
 
 from support.families import require
@@ -15,8 +15,6 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import accum_optimizer  # noqa: E402
-from accum_optimizer import _accumulation, _dispatch  # noqa: E402
-from accum_optimizer.families import tf1 as tf1_family  # noqa: E402
 from accum_optimizer.families.tf1 import AccumulatingOptimizer  # noqa: E402
 from support.reference_tf1 import (  # noqa: E402
     assert_bitwise,
@@ -26,7 +24,6 @@ from support.reference_tf1 import (  # noqa: E402
     mlp_data,
     mlp_init,
     mlp_loss,
-    train_mlp,
 )
 
 tf1 = tf.compat.v1
@@ -42,23 +39,6 @@ def test_dispatcher_returns_the_tf1_wrapper():
     assert isinstance(opt, tf1.train.Optimizer)
     assert isinstance(opt, accum_optimizer.AccumulatingOptimizer)
     assert issubclass(AccumulatingOptimizer, accum_optimizer.AccumulatingOptimizer)
-    assert _dispatch.family_of(tf1.train.GradientDescentOptimizer(0.1)).module == "tf1"
-
-
-def test_tf1_and_keras_families_do_not_overlap():
-    """No Keras family test matches a TF1 optimizer and the TF1 test matches
-    no Keras optimizer (whichever Keras this environment has)."""
-    tf1_opt = tf1.train.MomentumOptimizer(0.1, 0.9)
-    assert _dispatch._is_tf1(tf1_opt)
-    assert not _dispatch._is_keras3(tf1_opt)
-    assert not _dispatch._is_keras2(tf1_opt) and not _dispatch._is_legacy(tf1_opt)
-    keras_opt = tf.keras.optimizers.SGD(0.1)
-    assert not _dispatch._is_tf1(keras_opt)
-    try:
-        family = _dispatch.family_of(keras_opt).module
-    except TypeError:  # a leg whose Keras family is not registered (yet)
-        family = None
-    assert family != "tf1"
 
 
 def test_an_unsupported_inner_names_the_tf1_family():
@@ -102,14 +82,6 @@ def test_state_is_non_trainable_global_and_made_at_graph_construction(mode):
         assert sorted(v.ref() for v in tf1.trainable_variables()) == sorted([kernel.ref(), bias.ref()])
         assert tf1.get_collection(tf1.GraphKeys.TRAIN_OP) == [train_op]
         assert opt.get_slot(kernel, "m") is inner.get_slot(kernel, "m")
-
-
-def test_one_accumulation_step_is_the_inner_optimizer_bitwise():
-    """gradient_accumulation_steps=1 is a pass-through: weights, slots and
-    global_step bitwise equal to the plain optimizer; micro_steps counts."""
-    expected = train_mlp("Adam", None, 4, 3)
-    actual = train_mlp("Adam", 1, 4, 3)
-    assert_bitwise(actual, expected)
 
 
 # ----------------------------------------------------------------- eager
@@ -189,46 +161,6 @@ def test_eager_checkpoint_mid_window_resumes_bitwise(tmp_path):
     step(variables, global_step, opt, 5)
     actual = state(variables, global_step, opt)
     assert_bitwise(actual, expected)
-
-
-# ------------------------------------------------------------------ errors
-@pytest.mark.parametrize(
-    "steps, reduction, error, validator",
-    [
-        (2.0, "mean", TypeError, lambda: _accumulation.validate_gradient_accumulation_steps(2.0)),
-        (True, "mean", TypeError, lambda: _accumulation.validate_gradient_accumulation_steps(True)),
-        (0, "mean", ValueError, lambda: _accumulation.validate_gradient_accumulation_steps(0)),
-        (2, "avg", ValueError, lambda: _accumulation.validate_reduction("avg")),
-    ],
-)
-def test_bad_arguments_raise_the_shared_errors(steps, reduction, error, validator):
-    """The same exception and message as every family (the shared
-    validators, which the Keras 3 wrapper raises too)."""
-    with pytest.raises(error) as expected:
-        validator()
-    with pytest.raises(error) as got:
-        AccumulatingOptimizer(tf1.train.GradientDescentOptimizer(0.1), steps, reduction=reduction)
-    assert str(got.value) == str(expected.value)
-
-
-@pytest.mark.parametrize(
-    "args, kwargs",
-    [((), {"gradient_accumulation_steps": 2}), ((None,), {}), ((None,), {"steps": 2})],
-    ids=["missing-inner", "missing-steps", "misspelt-steps"],
-)
-def test_missing_and_unknown_arguments_raise_the_shared_errors(args, kwargs):
-    """The same messages as every family (the shared check_arguments):
-    missing required arguments, and unknown ones with the close match."""
-    inner = tf1.train.GradientDescentOptimizer(0.1)
-    args = tuple(inner if a is None else a for a in args)
-    unknown = {k: v for k, v in kwargs.items() if k not in _accumulation.ARGUMENTS}
-    given = dict(zip(("inner_optimizer", "gradient_accumulation_steps"), args), **kwargs)
-    with pytest.raises(TypeError) as expected:
-        _accumulation.check_arguments(given.get("inner_optimizer", _accumulation.REQUIRED),
-                                      given.get("gradient_accumulation_steps", _accumulation.REQUIRED), unknown)
-    with pytest.raises(TypeError) as got:
-        AccumulatingOptimizer(*args, **kwargs)
-    assert str(got.value) == str(expected.value)
 
 
 def test_bad_inner_and_keyword_arguments_are_named():

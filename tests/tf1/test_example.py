@@ -1,7 +1,7 @@
 """Smoke test of examples/tf1_session.py at tiny settings.
 
 It checks that the example runs and that its verdict follows its own
-comparison (the equivalence itself is tested in test_tf1.py): exit status 0
+comparison (the equivalence itself is tested in tests/contract/): exit status 0
 when the accumulating run matches the plain batch-N*B run, 1 on drift.
 """
 
