@@ -19,6 +19,8 @@ import pytest
 from support.arrays import assert_bitwise_equal
 from support.drivers import FAMILIES, Inner, driver, params
 
+pytestmark = pytest.mark.windows  # (the Makefile runs each Keras 2 family's in one leg)
+
 
 def _run(d, fmt, directory, flush=True, drop_window=False):
     """The final weights, inner state and counters; ``fmt=None``: no

@@ -72,6 +72,7 @@ def _schedule_run(d, schedule, per_update, b=2):
     return ref, acc
 
 
+@pytest.mark.windows
 @pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
 def test_dict_schedule_equals_growing_large_batches(family, case):
     """{0: 1, 2: 2, 4: 4} over 2 + 4 + 8 + 4*2 micro-batches equals the
@@ -81,6 +82,7 @@ def test_dict_schedule_equals_growing_large_batches(family, case):
     assert acc.counters()["iterations"] == 8 and acc.counters()["micro_steps"] == 22
 
 
+@pytest.mark.windows
 @pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
 def test_callable_schedule_equals_growing_large_batches(family, case):
     seen = []
@@ -94,6 +96,7 @@ def test_callable_schedule_equals_growing_large_batches(family, case):
     assert seen and all(dtype == tf.int64 for dtype in seen)
 
 
+@pytest.mark.windows
 @pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
 def test_callable_schedule_receives_the_update_index(family, case):
     """N(u) = u + 1: windows of 1, 2, 3 micro-steps (updates after
@@ -113,6 +116,7 @@ def test_callable_schedule_receives_the_update_index(family, case):
     assert set(seen) == {tf.int64}
 
 
+@pytest.mark.windows
 @pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
 def test_schedule_config_round_trips_through_json(family, case):
     """A dict schedule survives get_config -> JSON -> from_config (string
@@ -147,6 +151,7 @@ BAD_SCHEDULES = [
 ]
 
 
+@pytest.mark.windows
 @pytest.mark.parametrize("bad, error, words", BAD_SCHEDULES, ids=[repr(b[0]) for b in BAD_SCHEDULES])
 @pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
 def test_bad_schedule_gets_a_clear_error(family, case, bad, error, words):

@@ -17,6 +17,8 @@ import tensorflow as tf
 from support.arrays import assert_bitwise_equal, max_abs_diff
 from support.drivers import FAMILIES, Inner, NotApplicable, driver, params
 
+pytestmark = pytest.mark.windows  # (the Makefile runs each Keras 2 family's in one leg)
+
 TOL = 1e-6
 
 

@@ -458,15 +458,20 @@ class KerasDriver(Driver):
         ]
 
     # ----------------------------------------------------------- runs
-    def model(self, dtype="float32", seed=0):
+    def pair_model(self, dtype="float32", seed=0):
+        """The model of the large-batch comparisons (:meth:`pair`)."""
         if self.legacy:
             return self.R.dense_model(seed, dtype=dtype)
         return self.R.make_mlp(seed, dtype=dtype)
 
-    def data(self, n, dtype="float32"):
+    def pair_data(self, n, dtype="float32"):
         if self.legacy:
             return self.R.dense_data(n, dtype=np.dtype(dtype).type)
         return self.R.make_data(n, dtype=dtype)
+
+    def data(self, n):
+        """Samples for the trainers' model (``make_mlp``: 6 -> 3)."""
+        return self.R.make_data(n)
 
     def inner_state(self, inner) -> tuple[list, list]:
         """``(names, arrays)`` of every variable of a plain optimizer: Keras
@@ -522,8 +527,8 @@ class KerasDriver(Driver):
 
         n, b, updates = self.N, self.B, case.updates or self.UPDATES
         mode = case.mode or self.MODE
-        x, y = self.data(n * b * updates, case.dtype)
-        model = self.model(case.dtype)
+        x, y = self.pair_data(n * b * updates, case.dtype)
+        model = self.pair_model(case.dtype)
         initial = [np.array(w.numpy()) for w in model.weights]
         inner = case.make_inner(model)
         opt = AccumulatingOptimizer(inner, n, reduction=case.reduction) if accumulate else inner
@@ -564,8 +569,11 @@ class KerasDriver(Driver):
         else:
             T = _tfa().optimizers
             inners = {"AdamW": lambda m: T.AdamW(weight_decay=0.1, learning_rate=0.05)}
-        return [Case(f"{name}-{variant}", make, variant=variant)
-                for name, make in sorted(inners.items()) for variant in ("none_grads", "variable_subset")]
+        cases = [Case(f"{name}-{variant}", make, variant=variant)
+                 for name, make in sorted(inners.items()) for variant in ("none_grads", "variable_subset")]
+        if self.family == "legacy":  # OptimizerV2 also eagerly (both runs)
+            cases.append(Case("Adam-none_grads-eager", inners["Adam"], variant="none_grads", mode="eager"))
+        return cases
 
     def missing_gradient_runs(self, case):
         """``(ref, acc)``: the hand-built large batch of every window of
@@ -581,9 +589,26 @@ class KerasDriver(Driver):
         def name_of(v):
             return getattr(v, "path", None) or v.name
 
+        def state(inner, model):
+            """``(names, arrays)``; legacy: ``iterations`` and each slot of each
+            trainable variable, a slot the plain optimizer has not made yet (no
+            gradient so far) as its initial zeros (Adam's moments, momentum:
+            OptimizerV2 makes a variable's slots on its first gradient)."""
+            if not self.legacy:
+                return self.inner_state(inner)
+            names, arrays = ["iterations"], [np.array(inner.iterations.numpy())]
+            for v in model.trainable_variables:
+                for slot in inner.get_slot_names():
+                    names.append(f"{v.name}/{slot}")
+                    try:
+                        arrays.append(np.array(inner.get_slot(v, slot).numpy()))
+                    except KeyError:
+                        arrays.append(np.zeros(v.shape, v.dtype.as_numpy_dtype))
+            return names, arrays
+
         def record(model, inner, out):
             out["windows"].append({"weights": [np.array(w.numpy()) for w in model.weights],
-                                   "state": self.inner_state(inner)[1]})
+                                   "state": state(inner, model)[1]})
 
         # The reference: one tape over the window's micro-batch losses.
         model = R.missing_grad_model()
@@ -609,7 +634,6 @@ class KerasDriver(Driver):
         a_vars = [v for v in model.trainable_variables if "branch_a" in name_of(v)]
         subset = case.variant == "variable_subset"
 
-        @tf.function
         def step(xb, yb, uses_b):
             with tf.GradientTape() as tape:
                 loss = R.missing_grad_loss(model, xb, yb, uses_b)
@@ -619,6 +643,9 @@ class KerasDriver(Driver):
             else:
                 opt.apply_gradients(zip(grads, model.trainable_variables))
 
+        if (case.mode or self.MODE) != "eager":
+            step = tf.function(step)
+
         acc = {"windows": [], "initial": initial, "weight_names": [name_of(w) for w in model.weights]}
         k = 0
         for window in PATTERN:
@@ -626,7 +653,7 @@ class KerasDriver(Driver):
                 step(tf.constant(x[k * mb:(k + 1) * mb]), tf.constant(y[k * mb:(k + 1) * mb]), uses_b)
                 k += 1
             record(model, inner, acc)
-        acc["state_names"] = self.inner_state(inner)[0]
+        acc["state_names"] = state(inner, model)[0]
         acc["iterations"] = int(opt.iterations.numpy())
         acc["inner_attributes"] = set(vars(inner))
         return ref, acc
@@ -874,8 +901,12 @@ class KerasVectors:
         def value(v, kind):
             return None if v is None else kind(v.numpy())
 
-        return {"iterations": int(opt.iterations.numpy()), "micro_steps": value(opt.micro_steps, int),
-                "mini_step": value(opt.mini_step, int), "window_weight": value(opt.window_weight, float)}
+        # Before the first micro-step builds it, Keras 2's wrapper has no
+        # micro_steps/mini_step/window_weight attribute (Keras 3's: None).
+        return {"iterations": int(opt.iterations.numpy()),
+                "micro_steps": value(getattr(opt, "micro_steps", None), int),
+                "mini_step": value(getattr(opt, "mini_step", None), int),
+                "window_weight": value(getattr(opt, "window_weight", None), float)}
 
     def acc_grads(self) -> list:
         return [np.array(a.numpy()) for a in self.opt.acc_grads]
@@ -967,8 +998,11 @@ class TF1Driver(Driver):
         tf1 = tf.compat.v1
         inners = {"Adam": lambda gs: tf1.train.AdamOptimizer(0.05),
                   "Momentum": lambda gs: tf1.train.MomentumOptimizer(0.1, 0.9)}
-        return [Case(f"{name}-{variant}", make, variant=variant)
-                for name, make in sorted(inners.items()) for variant in ("none_grads", "variable_subset")]
+        cases = [Case(f"{name}-{variant}", make, variant=variant)
+                 for name, make in sorted(inners.items()) for variant in ("none_grads", "variable_subset")]
+        if self.family == "legacy":  # OptimizerV2 also eagerly (both runs)
+            cases.append(Case("Adam-none_grads-eager", inners["Adam"], variant="none_grads", mode="eager"))
+        return cases
 
     def missing_gradient_runs(self, case):
         """The graph version of :meth:`KerasDriver.missing_gradient_runs`:
@@ -1080,8 +1114,8 @@ class TF1Driver(Driver):
             return tf1.train.AdamOptimizer(spec.lr)
         raise ValueError(spec)
 
-    def data(self, n, dtype="float32"):
-        assert dtype == "float32", dtype
+    def data(self, n):
+        """Samples for the trainers' model (the softmax regression: 4 -> 3)."""
         return self.T.mlp_data(n)
 
     def save_formats(self):
