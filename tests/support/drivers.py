@@ -86,8 +86,8 @@ def params(families_, cases: Callable[["Driver"], Any] | None = None) -> list:
     """``pytest.param(family, case)`` for each family and each of its cases
     (``cases(driver)``: a list, or a :class:`NotApplicable` reason); a family
     this leg lacks, or one without the property, is one skipped parameter
-    with the reason. Each parameter carries its family's marker (``-m 'not
-    tf1'``)."""
+    with the reason. Each parameter carries its family's marker (``-m tf1``,
+    ``--leave-out tf1``)."""
     out = []
     for family in families_:
         marks = [getattr(pytest.mark, family)]
@@ -145,17 +145,20 @@ class Inner:
     (``momentum``, ``centered``), ``"adamw_ema"`` (the "rich" inner: AdamW, a
     cosine schedule with warmup and EMA). ``str()`` is the test id."""
 
-    def __str__(self) -> str:
-        extra = f",momentum={self.momentum}" if self.momentum else ""
-        return f"{self.kind}({self.lr}{extra})"
-
     kind: str
     lr: float = 0.1
     momentum: float = 0.0
     centered: bool = False
 
+    def __str__(self) -> str:
+        extra = f",momentum={self.momentum}" if self.momentum else ""
+        return f"{self.kind}({self.lr}{extra})"
+
 
 class Driver:
+    """What a contract test may ask of a family (see the module docstring);
+    :class:`KerasDriver` and :class:`TF1Driver` answer."""
+
     family: str
     #: The keyword arguments of the family's AccumulatingOptimizer (its public API).
     ARGUMENTS = ("inner_optimizer", "gradient_accumulation_steps", "reduction", "name")
@@ -228,8 +231,8 @@ class KerasDriver(Driver):
             self.N, self.B, self.UPDATES, self.MOVED = 4, 3, 4, 1e-4
         elif family == "keras2":
             self.N, self.B, self.UPDATES, self.MOVED = 3, 4, 4, 1e-3
-        else:
-            self.N, self.B, self.UPDATES, self.MOVED = R.LEGACY_N, R.LEGACY_B, R.LEGACY_UPDATES, 1e-3
+        else:  # legacy and tfa: the dense model of support.reference (5 -> 4 tanh -> 3)
+            self.N, self.B, self.UPDATES, self.MOVED = 3, 2, 3, 1e-3
 
     @property
     def optimizers(self):

@@ -3,7 +3,7 @@
 Each test module names the family it needs on its first lines, before it
 imports Keras::
 
-    from families import require
+    from support.families import require
 
     require("keras3")  # skips the whole module, with the reason, elsewhere
 

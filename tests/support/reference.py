@@ -246,10 +246,6 @@ def optimizer_state(opt) -> list:
     return [np.array(v.numpy()) for v in found]
 
 
-# The legacy / tensorflow-addons setting of the large-batch comparisons (support/drivers.py).
-LEGACY_N, LEGACY_B, LEGACY_UPDATES = 3, 2, 3
-
-
 def optimizer_cases() -> dict:
     """One factory per Keras 2 new-API optimizer class (and SGD/RMSprop
     variant); every class Keras 2.15 and tf_keras 2.21 have."""
