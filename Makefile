@@ -11,7 +11,7 @@
 #   tfkeras    .venvs/tfkeras       TF 2.21 + tf_keras 2.21 (TF_USE_LEGACY_KERAS=1)
 #   tf215      .venvs/tf215         TF 2.15.1 + its Keras 2.15 + tensorflow-addons 0.23
 #
-# Tests of a family a leg lacks skip with a reason (tests/families.py).
+# Tests of a family a leg lacks skip with a reason (tests/support/families.py).
 # After the legs, `make test` builds the documentation site (`make docs`,
 # its own venv .venvs/docs from pyproject's `docs` extra, no TensorFlow) with
 # --strict, so that a broken page, link or API reference fails it too.
@@ -28,7 +28,17 @@ LEGS ?= k3 k3-oldest tfkeras tf215
 # `make test TEST_DOCS=` leaves the docs build out.
 TEST_DOCS ?= yes
 
-TF1_TESTS := $(foreach f,$(wildcard tests/test_tf1*.py),--ignore=$(f))
+# Which tests a leg runs. Every leg collects tests/ (core/, contract/ and one
+# folder per family; tests of a family the leg lacks skip with the reason);
+# `--leave-out M[,M]` (tests/conftest.py) deselects the tests that carry all
+# those markers, leaving -m and -k free for PYTEST_ARGS. Each test carries
+# its family's marker (keras3, keras2, legacy, tfa, tf1); the contract tests
+# of weighted windows, flush, resume and accumulation schedules also carry
+# `windows`.
+#
+# The TF1 family runs in k3 and tf215: on the newest and the oldest
+# TensorFlow the legs have.
+TF1_TESTS := --leave-out tf1
 
 # ---- per-leg environment: directory, Python, extras, pins, pytest env/args
 DIR_k3         := $(VENV)
@@ -36,6 +46,8 @@ PYTHON_k3      := $(PYTHON)
 EXTRAS_k3      := test,demo,keras3
 PINS_k3        := tensorflow==2.21.* keras==3.15.*
 ENV_k3         :=
+# Everything: the Keras 3 and TF1 families' folders, their contract cells,
+# core/, the multi-worker processes and the benchmark smoke run.
 ARGS_k3        :=
 
 DIR_k3-oldest    := $(VENVS)/k3-oldest
@@ -43,25 +55,30 @@ PYTHON_k3-oldest := $(PYTHON)
 EXTRAS_k3-oldest := test,keras3
 PINS_k3-oldest   := tensorflow==2.16.2 keras==3.15.0
 ENV_k3-oldest    :=
-# Keras < 3.15 fails the suite (see README, Compatibility). Left to k3 (time
-# budget): the slowest property test, the benchmark smoke run (no matplotlib
-# here), the measured caveats, the multi-worker processes, the weighted /
-# flushed / scheduled windows and the sparse window (test_windows,
-# test_sparse_window), mixed precision and the hardening cases
-# (test_mixed_precision, test_hardening), and the TF1 family (which the k3
-# and tf215 legs run on the newest and the oldest TensorFlow).
-ARGS_k3-oldest   := -k 'not test_property_accumulation_matches_large_batch' -m 'not multiworker' \
-  --ignore=tests/test_benchmarks_smoke.py --ignore=tests/test_caveats.py \
-  --ignore=tests/test_windows.py --ignore=tests/test_sparse_window.py \
-  --ignore=tests/test_mixed_precision.py --ignore=tests/test_hardening.py $(TF1_TESTS)
+# This leg exists to prove the oldest versions pyproject claims (Keras < 3.15
+# fails the suite: README, Compatibility). What can differ between versions
+# runs here: every contract property (Keras 3's cells), argument validation
+# and dispatch (core/), Keras 3's API, its saving formats, and its
+# distribution code (the private TF/Keras symbols the family touches are
+# there). The rest of tests/keras3/ (fit-level windows, sparse windows, mixed
+# precision, XLA, hardening, caveats, composition, the multi-worker processes,
+# the benchmark smoke run, the property tests) checks the package's own logic
+# through the same code paths and runs in k3 only; the TF1 family in k3 and
+# tf215 (time budget).
+ARGS_k3-oldest   := $(TF1_TESTS) tests/test_environment.py tests/core/test_arguments.py tests/core/test_dispatch.py \
+  tests/contract tests/keras3/test_api.py tests/keras3/test_saving.py \
+  tests/keras3/test_distribution.py tests/keras3/test_strategies.py
 
 DIR_tfkeras    := $(VENVS)/tfkeras
 PYTHON_tfkeras := $(PYTHON)
 EXTRAS_tfkeras := test,keras2
 PINS_tfkeras   := tensorflow==2.21.* tf_keras==2.21.*
 ENV_tfkeras    := TF_USE_LEGACY_KERAS=1
-# (The legacy family's window tests run in tf215, beside tensorflow-addons.)
-ARGS_tfkeras   := $(TF1_TESTS) --ignore=tests/test_legacy_windows.py
+# Both Keras 2 legs prove their versions of the keras2 and legacy families;
+# the window contract tests (weighted windows, flush, resume, accumulation
+# schedules) of each family run in one of them: the legacy family's in
+# tf215, beside tensorflow-addons (time budget).
+ARGS_tfkeras   := $(TF1_TESTS) --leave-out legacy,windows
 
 # TensorFlow 2.15 has wheels for Python 3.9-3.11 only.
 DIR_tf215      := $(VENVS)/tf215
@@ -69,8 +86,8 @@ PYTHON_tf215   := $(PYTHON)
 EXTRAS_tf215   := test,addons
 PINS_tf215     := tensorflow==2.15.1 tensorflow-addons==0.23.0 numpy<2
 ENV_tf215      :=
-# (The Keras 2 new API's window tests run in tfkeras, on tf_keras 2.21.)
-ARGS_tf215     := --ignore=tests/test_keras2_windows.py
+# (The Keras 2 new API's window contract tests run in tfkeras, on tf_keras 2.21.)
+ARGS_tf215     := --leave-out keras2,windows
 
 .PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
 	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))
@@ -172,7 +189,7 @@ test:
 ## Keras 3 and TF1 tests, the fence test among them.
 NIGHTLY_DIR  := $(VENVS)/nightly
 NIGHTLY_PINS := tf-nightly keras-nightly
-NIGHTLY_ARGS ?= -m 'not multiworker' --ignore=tests/test_checkpoint_fixtures.py
+NIGHTLY_ARGS ?= -m 'not multiworker' --ignore=tests/contract/test_saved_checkpoints.py
 test-nightly:
 	rm -rf $(NIGHTLY_DIR)
 	$(PYTHON) -m venv $(NIGHTLY_DIR)

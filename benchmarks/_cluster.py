@@ -7,7 +7,7 @@ killed as a whole. :class:`Cluster` is a context manager: leaving it, normally
 or on an exception, SIGKILLs every process group still alive, so no worker
 outlives a failed test or benchmark.
 
-Used by the multi-worker tests (``tests/test_multiworker.py``) and by
+Used by the multi-worker tests (``tests/keras3/test_multiworker.py``) and by
 ``benchmarks/distributed.py``. Nothing here imports TensorFlow.
 """
 

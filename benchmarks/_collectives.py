@@ -1,6 +1,6 @@
 """Count the collective all-reduces that EXECUTE under MultiWorkerMirroredStrategy.
 
-Used by the multi-worker tests (``tests/multiworker_worker.py``) and by
+Used by the multi-worker tests (``tests/support/multiworker_worker.py``) and by
 ``benchmarks/distributed.py``. Imports TensorFlow (unlike ``_cluster``).
 
 Every dense all-reduce of ``MultiWorkerMirroredStrategy`` -- the gradients,

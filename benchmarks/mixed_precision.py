@@ -13,8 +13,8 @@ weights and see the same samples in the same order:
 
 Under ``mixed_float16`` ``compile`` wraps each optimizer in a
 ``LossScaleOptimizer``. The table gives the max absolute weight difference
-from the reference, the tolerance ``tests/test_mixed_precision.py`` asserts
-for that case (``tests/reference.py: mixed_precision_tolerance``, n/a where a
+from the reference, the tolerance ``tests/keras3/test_mixed_precision.py`` asserts
+for that case (``tests/support/reference.py: mixed_precision_tolerance``, n/a where a
 learning-rate schedule makes it inapplicable), and how far the weights moved.
 Run::
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     sys.path.insert(0, str(C.REPO_ROOT / "tests"))
-    from reference import epsilon_16, mixed_precision_tolerance  # the tests' tolerance
+    from support.reference import epsilon_16, mixed_precision_tolerance  # the tests' tolerance
 
     from accum_optimizer import AccumulatingOptimizer
 

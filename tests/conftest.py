@@ -9,7 +9,10 @@ Keras 2 or 3): it imports TensorFlow and hypothesis, nothing of Keras.
   ``HYPOTHESIS_PROFILE=full`` or ``make test-full``).
 * ``strategy``: one session-wide 2-replica MirroredStrategy fixture.
 * The report header names the leg (``ACCUM_LEG``), the versions that import
-  and the optimizer families usable here (``tests/families.py``).
+  and the optimizer families usable here (``tests/support/families.py``).
+* Every test carries its family's marker (by folder; the contract tests by
+  parameter), and ``--leave-out MARKER[,MARKER]`` deselects a leg's share
+  (see the Makefile).
 """
 
 import os
@@ -18,7 +21,7 @@ from importlib import metadata
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # TensorFlow's BFC allocator on the CPU keeps allocator statistics, which
-# `tf.config.experimental.get_memory_info("CPU:0")` (tests/test_sparse.py)
+# `tf.config.experimental.get_memory_info("CPU:0")` (tests/keras3/test_sparse.py)
 # needs; without it that call raises "Allocator stats not available".
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
@@ -67,8 +70,38 @@ def strategy():
     return s
 
 
+_FAMILY_FOLDERS = ("keras3", "keras2", "legacy", "tf1")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--leave-out", action="append", default=[], metavar="MARKER[,MARKER...]",
+        help="deselect the tests that carry every one of these markers (a leg's own selection, set in the "
+             "Makefile; -m and -k stay free for PYTEST_ARGS). Repeatable.",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test in a family's folder carries that family's marker (the
+    contract tests' parameters carry theirs); then ``--leave-out`` deselects."""
+    for item in items:
+        folder = item.path.parent.name
+        if folder in _FAMILY_FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))
+    groups = [set(g.split(",")) for g in config.getoption("--leave-out")]
+    if not groups:
+        return
+    kept, left_out = [], []
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        (left_out if any(g <= marks for g in groups) else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
+
+
 def pytest_report_header(config):
-    import families
+    from support import families
 
     def version(dist):
         try:

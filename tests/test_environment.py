@@ -4,7 +4,7 @@ The Makefile runs every leg with ``ACCUM_LEG=<leg>`` and ``ACCUM_LEG_PINS``
 (the leg's pins, the same strings it installed). These tests check that the
 installed distributions satisfy those pins, that the TensorFlow / Keras that
 actually import are the pinned ones, and that exactly the leg's optimizer
-families are usable (``tests/families.py``), so that a leg whose family
+families are usable (``tests/support/families.py``), so that a leg whose family
 tests would all skip, or that silently resolved other versions, fails here
 instead of passing on skips.
 
@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 from packaging.requirements import Requirement
 
-import families
+from support import families
 
 LEG = os.environ.get("ACCUM_LEG")
 PINS = os.environ.get("ACCUM_LEG_PINS", "").split()
@@ -32,6 +32,8 @@ LEG_FAMILIES = {
     "k3-oldest": {"keras3", "tf1"},
     "tfkeras": {"keras2", "legacy", "tf1"},
     "tf215": {"keras2", "legacy", "tfa", "tf1"},
+    # `make test-nightly` (opt-in): tf-nightly + keras-nightly
+    "nightly": {"keras3", "tf1"},
 }
 
 in_a_leg = pytest.mark.skipif(
@@ -72,7 +74,7 @@ def test_installed_distribution_satisfies_the_leg_pin(pin):
 
 @in_a_leg
 def test_the_tensorflow_that_imports_is_the_installed_one():
-    assert tf.__version__ == _version("tensorflow")
+    assert tf.__version__ == (_version("tf-nightly") if LEG == "nightly" else _version("tensorflow"))
 
 
 @in_a_leg
@@ -91,10 +93,11 @@ def test_keras_flavour_matches_the_leg():
 
     tf_keras_version = families.tf_keras_version()
     legacy_env = families.legacy_keras_requested()
-    if LEG in ("k3", "k3-oldest"):
+    if LEG in ("k3", "k3-oldest", "nightly"):
         # Keras 3 is both `keras` and `tf.keras`; no Keras 2 around.
         assert not legacy_env
-        assert keras.__version__.startswith("3.") and keras.__version__ == _version("keras")
+        installed = _version("keras-nightly") if LEG == "nightly" else _version("keras")
+        assert keras.__version__.startswith("3.") and keras.__version__ == installed
         assert tf_keras_version == keras.__version__
         assert importlib.util.find_spec("tf_keras") is None
     elif LEG == "tfkeras":

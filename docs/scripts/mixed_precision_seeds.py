@@ -1,7 +1,7 @@
 """The mixed-precision equivalence table of ``benchmarks.mixed_precision`` over
 several seeds.
 
-``benchmarks.mixed_precision`` (and ``tests/test_mixed_precision.py``) train
+``benchmarks.mixed_precision`` (and ``tests/keras3/test_mixed_precision.py``) train
 one seed: initial weights from seed 0, data from ``default_rng(1)``. This
 script repeats the benchmark's runs, with the benchmark's own functions, for
 seed ``s`` = initial weights from ``s`` and data from ``default_rng(s + 1)``
@@ -41,7 +41,7 @@ def main() -> None:
 
     from accum_optimizer import AccumulatingOptimizer
     from benchmarks import mixed_precision as M
-    from reference import epsilon_16, mixed_precision_tolerance  # the tests' tolerance, as the benchmark
+    from support.reference import epsilon_16, mixed_precision_tolerance  # the tests' tolerance, as the benchmark
 
     model = M._model
     print(f"max |weights - same policy at batch {M.N * M.B}| after {args.updates} updates "

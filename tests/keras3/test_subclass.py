@@ -10,7 +10,7 @@ public class, which a subclass must leave unchanged.
 
 from __future__ import annotations
 
-from families import require
+from support.families import require
 
 require("keras3")  # first, before Keras is imported: skips the module elsewhere
 

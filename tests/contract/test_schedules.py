@@ -1,0 +1,162 @@
+"""Schedules count updates: learning-rate schedules (and the tfa wrappers that
+count ``iterations``) see one step per window, never one per micro-step; an
+accumulation schedule (``gradient_accumulation_steps`` a dict or a callable
+of the update index) makes each window as long as it says.
+
+References: the plain inner optimizer on the large batch each window stands
+for (:mod:`support.drivers`), the same reference with its schedule stepped N
+times faster (what counting micro-steps would give: the check can fail), and
+hand-derived counts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from accum_optimizer import AccumulatingOptimizer
+from support.arrays import max_abs_diff, trajectory_diff
+from support.drivers import FAMILIES, Inner, NotApplicable, assert_matches_large_batch, driver, params
+
+ALL = FAMILIES + ("tfa",)
+TOL = 1e-6  # float32 rounding of a few updates
+
+
+# ------------------------------------------------- learning-rate schedules
+@pytest.mark.parametrize("family, case", params(ALL, lambda d: d.schedule_cases()))
+def test_learning_rate_schedule_counts_updates(family, case):
+    """Boundaries and decay lengths are in updates; the windows trained cross
+    them: the trajectory (and, where the family reports it, the current
+    learning rate) equals the large batch's."""
+    ref, acc = driver(family).pair(case)
+    assert_matches_large_batch(family, case, ref, acc)
+
+
+@pytest.mark.parametrize("family, case", params(ALL))
+def test_schedule_check_is_not_vacuous(family, case):
+    """A schedule fed micro-steps would run N times faster: the reference with
+    its schedule stepped N times faster leaves a trajectory far outside the
+    tolerance, so the test above can fail."""
+    d = driver(family)
+    schedule, fast = d.fast_schedule_pair()
+    assert trajectory_diff(d.reference(schedule).trajectory, d.reference(fast).trajectory) > 100 * 1e-5
+
+
+# ----------------------------------------------------- accumulation schedules
+def _schedules(d):
+    if d.family == "tf1":
+        return NotApplicable("the TF1 family takes an int N only (gradient_accumulation_steps is an int there)")
+    return [None]
+
+
+def _assert_same_training(ref, acc, tol=TOL):
+    assert acc.counters()["iterations"] == ref.counters()["iterations"]
+    assert max_abs_diff(ref.weights(), acc.weights()) <= tol
+    assert max_abs_diff(ref.inner_state(), acc.inner_state()) <= tol
+
+
+def _schedule_run(d, schedule, per_update, b=2):
+    """Micro-batches of ``b`` with ``schedule``; reference: plain SGD with
+    momentum on batches of ``b * N(u)``."""
+    x, y = d.data(b * sum(per_update))
+    ref = d.trainer(Inner("sgd", 0.1, momentum=0.9))
+    acc = d.trainer(Inner("sgd", 0.1, momentum=0.9), n=schedule)
+    start = 0
+    for n in per_update:
+        ref.step(x[start:start + n * b], y[start:start + n * b])
+        start += n * b
+    for k in range(sum(per_update)):
+        acc.step(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b])
+    return ref, acc
+
+
+@pytest.mark.windows
+@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+def test_dict_schedule_equals_growing_large_batches(family, case):
+    """{0: 1, 2: 2, 4: 4} over 2 + 4 + 8 + 4*2 micro-batches equals the
+    large-batch run with batch sizes B, B, 2B, 2B, 4B, 4B, 4B, 4B."""
+    ref, acc = _schedule_run(driver(family), {0: 1, 2: 2, 4: 4}, [1, 1, 2, 2, 4, 4, 4, 4])
+    _assert_same_training(ref, acc)
+    assert acc.counters()["iterations"] == 8 and acc.counters()["micro_steps"] == 22
+
+
+@pytest.mark.windows
+@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+def test_callable_schedule_equals_growing_large_batches(family, case):
+    seen = []
+
+    def n_of(update):
+        seen.append(update.dtype)
+        return tf.where(update < 2, tf.constant(1, tf.int64), tf.constant(3, tf.int64))
+
+    ref, acc = _schedule_run(driver(family), n_of, [1, 1, 3, 3])
+    _assert_same_training(ref, acc)
+    assert seen and all(dtype == tf.int64 for dtype in seen)
+
+
+@pytest.mark.windows
+@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+def test_callable_schedule_receives_the_update_index(family, case):
+    """N(u) = u + 1: windows of 1, 2, 3 micro-steps (updates after
+    micro-steps 1, 3, 6), the index an int64."""
+    seen = []
+
+    def n(update):
+        seen.append(update.dtype)
+        return update + 1
+
+    t = driver(family).vectors([0.0], Inner("sgd", 0.1), n=n)
+    counts = []
+    for _ in range(6):
+        t.apply([1.0])
+        counts.append(t.counters()["iterations"])
+    assert counts == [1, 1, 2, 2, 2, 3]
+    assert set(seen) == {tf.int64}
+
+
+@pytest.mark.windows
+@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+def test_schedule_config_round_trips_through_json(family, case):
+    """A dict schedule survives get_config -> JSON -> from_config (string
+    keys) and still closes windows at the same micro-steps; an unregistered
+    callable refuses get_config with a message naming the fix."""
+    d = driver(family)
+    opt = AccumulatingOptimizer(d.make_inner(Inner("sgd", 0.1)), gradient_accumulation_steps={0: 1, 2: 2})
+    config = json.loads(json.dumps(opt.get_config()))
+    assert config["gradient_accumulation_steps"] == {"0": 1, "2": 2}
+    again = type(opt).from_config(config)
+    assert again.gradient_accumulation_steps == {0: 1, 2: 2}
+    v = d.variable(0.0)
+    counts = []
+    for _ in range(6):
+        again.apply_gradients([(tf.constant(1.0), v)])
+        counts.append(int(again.iterations.numpy()))
+    assert counts == [1, 2, 2, 3, 3, 4]
+    fn = AccumulatingOptimizer(d.make_inner(Inner("sgd", 0.1)), gradient_accumulation_steps=lambda u: 2)
+    with pytest.raises(ValueError, match="not a registered Keras object"):
+        fn.get_config()
+
+
+BAD_SCHEDULES = [
+    ({0: 1, 30: 2, 20: 4}, ValueError, "key 20 (value 4) after key 30"),
+    ({1: 2}, ValueError, "first key 1"),
+    ({0: 0}, ValueError, "{0: 0}"),
+    ({0: 2.0}, TypeError, "{0: 2.0}"),
+    ({0: 1.5}, TypeError, "{0: 1.5}"),
+    ({0.5: 2}, TypeError, "key 0.5"),
+    ({}, ValueError, "empty dict"),
+    (2.0, TypeError, "gradient_accumulation_steps=2.0"),
+]
+
+
+@pytest.mark.windows
+@pytest.mark.parametrize("bad, error, words", BAD_SCHEDULES, ids=[repr(b[0]) for b in BAD_SCHEDULES])
+@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+def test_bad_schedule_gets_a_clear_error(family, case, bad, error, words):
+    d = driver(family)
+    with pytest.raises(error, match="gradient_accumulation_steps") as info:
+        AccumulatingOptimizer(d.make_inner(Inner("sgd", 0.1)), gradient_accumulation_steps=bad)
+    assert words in str(info.value)
+

@@ -1,0 +1,64 @@
+"""Argument validation is shared: every family raises the shared validators'
+exceptions, with their messages, word for word.
+
+Reference: the validators themselves (``support.internals``: argument
+validation lives in one module of the package, whichever it is).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from support import internals
+from support.drivers import FAMILIES, Inner, driver, params
+
+
+def _family_class(family):
+    return importlib.import_module(f"accum_optimizer.families.{family}").AccumulatingOptimizer
+
+
+@pytest.mark.parametrize(
+    "steps, reduction, error, validator",
+    [
+        (2.0, "mean", TypeError, lambda: internals.validate_gradient_accumulation_steps(2.0)),
+        (True, "mean", TypeError, lambda: internals.validate_gradient_accumulation_steps(True)),
+        (0, "mean", ValueError, lambda: internals.validate_gradient_accumulation_steps(0)),
+        (2, "avg", ValueError, lambda: internals.validate_reduction("avg")),
+    ],
+    ids=["steps=2.0", "steps=True", "steps=0", "reduction=avg"],
+)
+@pytest.mark.parametrize("family, case", params(FAMILIES))
+def test_bad_arguments_raise_the_shared_errors(family, case, steps, reduction, error, validator):
+    """The same exception and message in every family (the shared
+    validators)."""
+    with pytest.raises(error) as expected:
+        validator()
+    with pytest.raises(error) as got:
+        _family_class(family)(driver(family).make_inner(Inner("sgd", 0.1)), steps, reduction=reduction)
+    assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [((), {"gradient_accumulation_steps": 2}), ((None,), {}), ((None,), {"steps": 2})],
+    ids=["missing-inner", "missing-steps", "misspelt-steps"],
+)
+@pytest.mark.parametrize("family, case", params(FAMILIES))
+def test_missing_and_unknown_arguments_raise_the_shared_errors(family, case, args, kwargs):
+    """The same messages in every family (the shared ``check_arguments``, told
+    the family's own keyword arguments): missing required arguments, and
+    unknown ones with the close match."""
+    d = driver(family)
+    inner = d.make_inner(Inner("sgd", 0.1))
+    args = tuple(inner if a is None else a for a in args)
+    unknown = {k: v for k, v in kwargs.items() if k not in d.ARGUMENTS}
+    given = dict(zip(("inner_optimizer", "gradient_accumulation_steps"), args), **kwargs)
+    with pytest.raises(TypeError) as expected:
+        internals.check_arguments(given.get("inner_optimizer", internals.REQUIRED),
+                                  given.get("gradient_accumulation_steps", internals.REQUIRED), unknown,
+                                  accepted=d.ARGUMENTS)
+    with pytest.raises(TypeError) as got:
+        _family_class(family)(*args, **kwargs)
+    assert str(got.value) == str(expected.value)

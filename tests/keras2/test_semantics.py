@@ -1,0 +1,165 @@
+"""Keras 2 new API: ``fit`` between updates, the learning rate and its
+callbacks, ``fit`` (also XLA-compiled) and a LossScaleOptimizer outside
+against the large batch. (The custom-loop properties every family has are in
+tests/contract/.)
+
+References: snapshots of the same run (bitwise); the plain optimizer trained
+by ``fit`` at batch N*B; hand-derived values.
+"""
+
+from support.families import require
+
+require("keras2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from accum_optimizer import AccumulatingOptimizer  # noqa: E402
+from support.reference import make_data, make_mlp, max_abs_diff, mse, optimizer_state, weights  # noqa: E402
+
+keras = tf.keras
+o = keras.optimizers
+
+
+def _rich_inner():
+    schedule = o.schedules.CosineDecay(1e-2, decay_steps=10, warmup_target=2e-2, warmup_steps=2)
+    return o.AdamW(schedule, weight_decay=0.05, use_ema=True, ema_momentum=0.9)
+
+
+def _snapshot(model, opt):
+    return weights(model) + optimizer_state(opt.inner_optimizer)
+
+
+def _assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def _grads(model, xb, yb):
+    with tf.GradientTape() as tape:
+        loss = mse(yb, model(xb, training=True))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+class _StateRecorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.states = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.states.append(_snapshot(self.model, self.model.optimizer))
+
+
+def test_fit_non_update_batches_leave_inner_state_bitwise_untouched():
+    n = 4
+    model = make_mlp()
+    model.compile(optimizer=AccumulatingOptimizer(_rich_inner(), n), loss="mse")
+    x, y = make_data(2 * 12)
+    rec = _StateRecorder()
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+    assert len(rec.states) == 12
+    assert int(model.optimizer.iterations.numpy()) == 3
+    for m in range(1, 12):
+        if (m + 1) % n:  # batch m (0-based) is micro-step m + 1
+            _assert_bitwise_equal(rec.states[m - 1], rec.states[m])
+        else:
+            assert max_abs_diff(rec.states[m - 1], rec.states[m]) > 0
+
+
+# --------------------------------------------------------- learning rate
+def test_learning_rate_and_lr_forward_to_the_inner_optimizer():
+    inner = o.Adam(1e-3)
+    opt = AccumulatingOptimizer(inner, 4)
+    assert opt.learning_rate is inner.learning_rate and opt.lr is inner.learning_rate
+    opt.learning_rate = 0.05
+    np.testing.assert_allclose(inner.learning_rate.numpy(), 0.05)
+    opt.lr = 0.25
+    np.testing.assert_allclose(inner.learning_rate.numpy(), 0.25)
+    keras.backend.set_value(opt.lr, 0.5)  # what Keras 2's callbacks do
+    np.testing.assert_allclose(inner.learning_rate.numpy(), 0.5)
+    scheduled = AccumulatingOptimizer(o.Adam(o.schedules.ExponentialDecay(0.1, 1, 0.5)), 4)
+    with pytest.raises(TypeError, match="not settable"):  # as the plain inner raises
+        scheduled.learning_rate = 0.1
+
+
+def _fit_pair(callback_fn, epochs, lr=0.1):
+    n, mb, windows = 4, 3, 2
+    x, y = make_data(n * mb * windows)
+    ref, acc = make_mlp(0), make_mlp(0)
+    ref.compile(optimizer=o.SGD(lr, momentum=0.5), loss="mse")
+    acc.compile(optimizer=AccumulatingOptimizer(o.SGD(lr, momentum=0.5), n), loss="mse")
+    ref_hist = ref.fit(x, y, batch_size=n * mb, epochs=epochs, shuffle=False, verbose=0, callbacks=[callback_fn()])
+    acc_hist = acc.fit(x, y, batch_size=mb, epochs=epochs, shuffle=False, verbose=0, callbacks=[callback_fn()])
+    return ref, acc, ref_hist, acc_hist
+
+
+def test_learning_rate_scheduler_callback_drives_the_inner_learning_rate():
+    rates = [0.1, 0.05, 0.01]
+    ref, acc, ref_hist, acc_hist = _fit_pair(
+        lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: rates[epoch]), epochs=3
+    )
+    np.testing.assert_allclose(acc_hist.history["lr"], rates, rtol=1e-6)
+    np.testing.assert_allclose(acc_hist.history["lr"], ref_hist.history["lr"])
+    np.testing.assert_allclose(acc.optimizer.inner_optimizer.learning_rate.numpy(), rates[-1], rtol=1e-6)
+    assert max_abs_diff(weights(ref), weights(acc)) <= 1e-6
+
+
+def test_reduce_lr_on_plateau_callback_lowers_the_inner_learning_rate():
+    # min_delta=1e9: after the first epoch (an improvement on the initial
+    # best, +inf) no epoch counts as one, so with patience 0 the rate halves
+    # after epochs 2 and 3: 0.1 * 0.5**2.
+    def plateau():
+        return keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9, min_lr=0)
+
+    ref, acc, ref_hist, acc_hist = _fit_pair(plateau, epochs=3)
+    np.testing.assert_allclose(acc.optimizer.inner_optimizer.learning_rate.numpy(), 0.1 * 0.5**2, rtol=1e-6)
+    np.testing.assert_allclose(acc_hist.history["lr"], ref_hist.history["lr"])
+    assert max_abs_diff(weights(ref), weights(acc)) <= 1e-6
+
+
+# ------------------------------------------------------------ model.fit / XLA
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_fit_matches_fit_at_batch_n_b(jit_compile):
+    # model.fit (Keras 2 `minimize`), as plain and as XLA-compiled train step.
+    n, mb, windows = 4, 3, 3
+    x, y = make_data(n * mb * windows)
+    ref, acc = make_mlp(0), make_mlp(0)
+    make = lambda: o.AdamW(o.schedules.ExponentialDecay(2e-2, 2, 0.5), weight_decay=0.05, use_ema=True)  # noqa: E731
+    ref.compile(optimizer=make(), loss="mse", jit_compile=jit_compile)
+    acc.compile(optimizer=AccumulatingOptimizer(make(), n), loss="mse", jit_compile=jit_compile)
+    ref.fit(x, y, batch_size=n * mb, epochs=2, shuffle=False, verbose=0)
+    acc.fit(x, y, batch_size=mb, epochs=2, shuffle=False, verbose=0)
+    assert int(acc.optimizer.iterations.numpy()) == 2 * windows
+    assert max_abs_diff(weights(ref), weights(make_mlp(0))) > 1e-3
+    assert max_abs_diff(weights(ref), weights(acc)) <= 1e-5
+    assert max_abs_diff(optimizer_state(ref.optimizer), optimizer_state(acc.optimizer.inner_optimizer)) <= 1e-5
+
+
+def test_loss_scale_optimizer_outside_matches_its_large_batch():
+    # Keras 2's LossScaleOptimizer (dynamic scale) around the wrapper, the
+    # placement for mixed precision, against the same LossScaleOptimizer
+    # around the plain inner at batch N*B.
+    n, mb, windows = 4, 3, 4
+    x, y = make_data(n * mb * windows)
+
+    def run(opt, model, batch, steps):
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = opt.get_scaled_loss(mse(yb, model(xb)))
+            grads = opt.get_unscaled_gradients(tape.gradient(loss, model.trainable_variables))
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        for s in range(steps):
+            step(tf.constant(x[s * batch : (s + 1) * batch]), tf.constant(y[s * batch : (s + 1) * batch]))
+
+    ref, acc = make_mlp(0), make_mlp(0)
+    ref_opt = keras.mixed_precision.LossScaleOptimizer(o.Adam(1e-2))
+    acc_opt = keras.mixed_precision.LossScaleOptimizer(AccumulatingOptimizer(o.Adam(1e-2), n))
+    run(ref_opt, ref, n * mb, windows)
+    run(acc_opt, acc, mb, n * windows)
+    assert (int(acc_opt.inner_optimizer.micro_steps.numpy()), int(acc_opt.inner_optimizer.iterations.numpy())) == (n * windows, windows)
+    assert max_abs_diff(weights(ref), weights(acc)) <= 1e-5
+    assert max_abs_diff(optimizer_state(ref_opt.inner_optimizer), optimizer_state(acc_opt.inner_optimizer.inner_optimizer)) <= 1e-5

@@ -1,0 +1,206 @@
+"""Smoke test: every benchmark runs at its tiniest size and writes well-formed
+output (JSON with the expected keys, a valid PNG, a Markdown table).
+
+It checks that the scripts run, not how fast anything is: no timing is
+asserted. One run of ``python -m benchmarks --tiny`` (the entry point `make
+bench` uses, with the smallest sizes) is shared by the tests below. The
+bootstrap interval the overhead benchmark reports is checked against the
+exact bootstrap distribution of a small sample.
+"""
+
+from __future__ import annotations
+
+from support.families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks import _common as C  # noqa: E402  (no TensorFlow import at module level)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_tiny")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--tiny", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    log = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, log
+    return out, proc.stdout
+
+
+def _load(path: Path) -> dict:
+    assert path.is_file(), f"missing {path.name}"
+    return json.loads(path.read_text())
+
+
+def _check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+    # The first chunk is IHDR: length 13, then width and height (big-endian).
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+    assert data.rstrip(b"\x00")[-8:-4] == b"IEND"
+
+
+def _check_env(env: dict) -> None:
+    for key in ("tensorflow", "keras", "device", "cpu_count", "python", "date_utc"):
+        assert env.get(key), f"env lacks {key}"
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and x > 0
+
+
+def test_memory_output(tiny_run):
+    out, stdout = tiny_run
+    data = _load(out / "memory.json")
+    assert data["benchmark"] == "memory" and data["profile"] == "tiny"
+    _check_env(data["env"])
+    assert data["models"], "no model was measured"
+    for kind, m in data["models"].items():
+        assert _positive(m["param_bytes"]) and _positive(m["param_count"])
+        statuses = {(r["case"], r["n"]): r["result"]["status"] for r in m["runs"]}
+        # Our code paths must run; Keras' built-in may be "n/a" in some setups.
+        for (case, n), status in statuses.items():
+            assert status in (("ok", "n/a", "error", "OOM") if case == "d" else ("ok",)), (case, n, status)
+        for row in m["rows"]:
+            figs = row["headline_peak"]
+            for key in ("a_plain_B", "b_accum_B", "c_plain_NB"):
+                assert isinstance(figs[key], int), (kind, row["n"], key, figs[key])
+            assert figs["b_over_c"] is None or figs["b_over_c"] > 0
+        cost = m["accumulator_cost"]
+        assert cost["floor_bytes"] == m["param_bytes"]
+        # What one micro-batch adds: ((c) - (a)) / (N - 1), from the table's own figures.
+        row = m["rows"][0]
+        f = row["headline_peak"]
+        assert cost["per_micro_batch_headline_peak_bytes"] == pytest.approx(
+            (f["c_plain_NB"] - f["a_plain_B"]) / (row["n"] - 1))
+        # The accumulators are one copy of the parameters plus int64 bookkeeping.
+        assert cost["accum_state_bytes"] >= m["param_bytes"]
+    _check_png(out / "memory.png")
+    md = (out / "memory.md").read_text()
+    assert "(b)/(c)" in md and "what one micro-batch of B=" in md
+    assert "(b)/(c)" in stdout
+
+
+def test_overhead_output(tiny_run):
+    out, stdout = tiny_run
+    data = _load(out / "overhead.json")
+    assert data["benchmark"] == "overhead"
+    _check_env(data["env"])
+    assert _positive(data["bandwidth"]["bytes_per_second"])
+    assert data["groups"], "no (model, loop, jit) group ran"
+    modes = {(g["loop"], g["jit_compile"]) for g in data["groups"]}
+    assert {loop for loop, _ in modes} == {"custom", "fit"}
+    assert {jit for _, jit in modes} == {False, True}
+    for g in data["groups"]:
+        assert not g["errors"].get("plain") and "plain" in g["times_s_per_micro_step"]
+        for row in g["rows"]:
+            assert _positive(row["plain_s"]["median"]) and _positive(row["accum_s"]["median"])
+            ratio = row["accum_over_plain"]
+            assert ratio["min"] <= ratio["median"] <= ratio["max"]
+            # Every ratio and the overhead carry the median's bootstrap interval over the rounds.
+            for key in ("accum_over_plain", "accum_over_builtin", "accum_minus_plain_s"):
+                st = row[key]
+                if st is None:
+                    assert key == "accum_over_builtin" and row["builtin_s"] is None
+                    continue
+                assert st["n"] == g["rounds"] and st["confidence"] == 0.95, (key, st)
+                assert st["min"] <= st["ci_low"] <= st["median"] <= st["ci_high"] <= st["max"], (key, st)
+            assert row["within_3_percent_shown"] == (ratio["ci_high"] <= 1.03)
+            if row["n"] == 1:  # Keras' built-in rejects N=1; the wrapper is a pass-through
+                assert row["builtin_s"] is None and row["builtin_na"]
+                assert row["floor_seconds"] == 0 and row["overhead_over_floor"] is None
+            else:
+                floor = data["models"][g["model"]]["floor_seconds"]
+                assert row["floor_seconds"] == floor
+                assert row["overhead_over_floor"] == pytest.approx(row["accum_minus_plain_s"]["median"] / floor)
+        for label, taken in g["micro_steps_taken"].items():
+            assert taken >= g["block_micro_steps"] * (g["rounds"] + 1), (label, taken)
+    for kind, m in data["models"].items():
+        assert _positive(m["floor_seconds"]) and m["floor_bytes"] == 12 * m["param_count"]
+    # The wide model runs in its own modes (the custom loop, XLA off).
+    assert data["models"]["transformer_wide"]["param_count"] > data["models"]["cnn"]["param_count"]
+    assert [(g["loop"], g["jit_compile"]) for g in data["groups"] if g["model"] == "transformer_wide"] == [
+        ("custom", False)]
+    _check_png(out / "overhead.png")
+    assert "accum/plain [95% CI]" in stdout and "accum/built-in [95% CI]" in stdout
+    assert "accum/plain [95% CI]" in (out / "overhead.md").read_text()
+
+
+def test_bootstrap_interval_matches_exact_bootstrap():
+    """The percentile interval of the median of 7 distinct values, against the
+    exact bootstrap distribution (all 7**7 resamples equally likely). With
+    x1 < ... < x7, the resampled median is x1 iff at least 4 of the 7 draws are
+    x1: P = sum_{k>=4} C(7,k) (1/7)^k (6/7)^(7-k) = 8359 / 7**7 = 1.0%; it is
+    <= x2 iff at least 4 draws are in {x1, x2}: P = 89168 / 7**7 = 10.8%. So
+    the 2.5% quantile is x2, and by symmetry the 97.5% quantile is x6 (not the
+    extremes, not the quartiles). 10,000 draws put about 101 +- 10 medians at
+    x1, far from the 250 that would move the quantile."""
+    from math import comb
+
+    n = 7
+    p_x1 = sum(comb(n, k) * 1 * (n - 1) ** (n - k) for k in range(4, n + 1)) / n**n
+    p_le_x2 = sum(comb(n, k) * 2**k * (n - 2) ** (n - k) for k in range(4, n + 1)) / n**n
+    assert p_x1 < 0.025 < p_le_x2  # the derivation above
+    values = [3.0, 0.5, 2.0, 7.0, 1.0, 4.0, 11.0]  # x1..x7 = 0.5, 1, 2, 3, 4, 7, 11
+    xs = sorted(values)
+    assert C.bootstrap_median_ci(values) == (xs[1], xs[5])
+    assert C.bootstrap_median_ci(values, seed=5) == (xs[1], xs[5])  # not an accident of one seed
+    assert C.bootstrap_median_ci([2.5] * 30) == (2.5, 2.5)
+    s = C.summarize_with_ci(values)
+    assert (s["ci_low"], s["median"], s["ci_high"], s["confidence"]) == (xs[1], xs[3], xs[5], 0.95)
+    with pytest.raises(ValueError, match="`values` is empty"):
+        C.bootstrap_median_ci([])
+    with pytest.raises(ValueError, match="`confidence`=1.5"):
+        C.bootstrap_median_ci(values, confidence=1.5)
+
+
+def test_sparse_output(tiny_run):
+    out, stdout = tiny_run
+    data = _load(out / "sparse.json")
+    assert data["benchmark"] == "sparse"
+    _check_env(data["env"])
+    settings = data["settings"]
+    for v in settings["vocab"]:
+        for method in ("plain", "accum"):
+            r = data["results"][f"{method}/{v}"]
+            assert r["status"] == "ok", (method, v, r)
+            assert _positive(r["mean_step_s"]) and isinstance(r["delta_bytes"], int)
+            assert len(r["times_s"]) == settings["n"] * (settings["windows"] - 1)
+        acc = data["results"][f"accum/{v}"]
+        assert _positive(acc["accumulate_step_s"]["median"]) and _positive(acc["update_step_s"]["median"])
+        assert acc["accumulator_bytes"]["slots"] >= v * settings["dim"] * 4
+        assert acc["table_tracker_bytes"] == 2 * v  # the table's float16 row marks
+        dense = data["results"][f"accum_dense/{v}"]  # the dense window, side by side
+        assert dense["status"] == "ok" and _positive(dense["update_step_s"]["median"])
+    assert "accum" in data["scaling"] and "slope" in data["scaling"]["accum"]
+    assert "slope" in data["scaling"]["accum/update"]
+    _check_png(out / "sparse.png")
+    assert "table MiB" in stdout
+
+
+def test_summary(tiny_run):
+    out, _ = tiny_run
+    run = _load(out / "run_all.json")
+    assert run["failed"] == [] and set(run["seconds"]) == {"memory", "overhead", "sparse"}
+    summary = (out / "SUMMARY.md").read_text()
+    for name in ("memory", "overhead", "sparse"):
+        assert f"![{name}]({name}.png)" in summary
+    assert "python -m benchmarks --tiny" in summary

@@ -1,0 +1,325 @@
+"""Accumulation under ``tf.distribute.MirroredStrategy`` (2 logical CPUs).
+
+``conftest.py`` splits the CPU into two logical devices, so the strategy has
+two replicas. The setting throughout: micro-batches of ``B = 8`` global
+samples (4 per replica), ``N = 4`` micro-steps per update, so one update sees
+``N * B = 32`` samples.
+
+Keras scales the loss by ``1 / num_replicas`` under a strategy
+(``keras.src.losses.loss.scale_loss_for_distribution``), so each replica's
+gradient is ``grad(mean loss over its 4 samples) / 2`` and the sum over the
+replicas is the gradient of the mean over all 8. Each replica adds its own
+micro-batch gradients into its own (``ON_READ``) accumulator slots; on an
+update step it hands ``slot / N`` to the inner optimizer, whose all-reduce
+(SUM) is the only cross-replica reduction of the window. The result is the
+gradient of the mean loss over the window's 32 samples, so the independent
+reference is the plain inner optimizer trained on ONE device with batch 32
+(same initial weights, same samples in the same order, no shuffling).
+
+Clipping (``clipnorm`` / ``global_clipnorm`` on the inner optimizer) is not
+part of that single-device comparison: plain Keras under a strategy clips each
+replica's gradient before the all-reduce, which is not the same as clipping
+the global gradient. It is compared instead against plain Keras under the same
+strategy with batch ``N * B`` per step (``test_clipping_matches_plain_keras_
+under_the_same_strategy``), with the data ordered so that each replica sees the
+same samples in both runs.
+"""
+
+from __future__ import annotations
+
+from support.families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accum_optimizer import AccumulatingOptimizer
+from support.reference import make_data, make_mlp, max_abs_diff, mse, train, weights
+from support.distribution import ReductionCounter
+
+N = 4  # gradient_accumulation_steps
+B = 8  # global micro-batch (4 samples per replica)
+REPLICAS = 2
+WINDOWS = 3  # updates per epoch
+EPOCHS = 2
+TOL = 1e-5
+
+schedules = keras.optimizers.schedules
+
+
+def _dataset(x, y, batch):
+    # No shuffling: the same samples in the same order for every run.
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def _fit(model, optimizer, x, y, batch, epochs, jit_compile=False):
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    model.fit(_dataset(x, y, batch), epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def _optimizer_cases():
+    o = keras.optimizers
+    return {
+        "adam": lambda: o.Adam(1e-2),
+        "adamw_ema_schedule": lambda: o.AdamW(
+            learning_rate=schedules.ExponentialDecay(2e-2, decay_steps=2, decay_rate=0.5),
+            weight_decay=0.05,
+            use_ema=True,
+            ema_momentum=0.9,
+        ),
+    }
+
+
+OPTIMIZERS = _optimizer_cases()
+
+
+def _distributed_accumulating_fit(strategy, optimizer_fn, x, y, epochs=EPOCHS):
+    with strategy.scope():
+        model = make_mlp(seed=0)
+        opt = AccumulatingOptimizer(optimizer_fn(), gradient_accumulation_steps=N)
+        _fit(model, opt, x, y, B, epochs)
+    return model, opt
+
+
+def _kind_and_shape(v):
+    # "adam/sequential_dense_kernel_momentum" -> ("momentum", (6, 5))
+    return v.path.split("/")[-1].rsplit("_", 1)[-1], tuple(v.shape)
+
+
+# --------------------------------------------------------------------------
+# model.fit under MirroredStrategy == single-device batch N*B
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_mirrored_fit_matches_single_device_large_batch(strategy, opt_name):
+    optimizer_fn = OPTIMIZERS[opt_name]
+    x, y = make_data(N * B * WINDOWS)
+
+    model, opt = _distributed_accumulating_fit(strategy, optimizer_fn, x, y)
+
+    # Reference: one device, no strategy, plain inner optimizer, batch N*B.
+    ref_model = make_mlp(seed=0)
+    ref_opt = optimizer_fn()
+    _fit(ref_model, ref_opt, x, y, N * B, EPOCHS)
+
+    updates = WINDOWS * EPOCHS
+    assert int(opt.micro_steps.numpy()) == N * updates
+    assert int(opt.iterations.numpy()) == updates == int(ref_opt.iterations.numpy())
+    # Training moved the weights (so the comparison means something).
+    assert max_abs_diff(weights(ref_model), weights(make_mlp(seed=0))) > 1e-2
+    assert max_abs_diff(weights(model), weights(ref_model)) <= TOL
+    # The inner optimizer's own state (moments, EMA shadows, iterations)
+    # equals the reference optimizer's, variable by variable.
+    inner_vars, ref_vars = opt.inner_optimizer.variables, ref_opt.variables
+    assert [_kind_and_shape(v) for v in inner_vars] == [_kind_and_shape(v) for v in ref_vars]
+    assert max_abs_diff(weights(inner_vars), weights(ref_vars)) <= TOL
+    # Every replica holds the same weights and inner-optimizer state.
+    _assert_replicas_identical(list(model.weights) + list(inner_vars))
+
+
+def _assert_replicas_identical(variables):
+    for v in variables:
+        components = [np.asarray(c.numpy()) for c in v.value.values]
+        assert len(components) == REPLICAS, v.path
+        for c in components[1:]:
+            np.testing.assert_array_equal(c, components[0], err_msg=v.path)
+
+
+# --------------------------------------------------------------------------
+# The fault this library fixes: Keras' built-in accumulation
+# --------------------------------------------------------------------------
+def test_keras_builtin_accumulation_crashes_under_mirrored_fit(strategy):
+    """Keras 3's own ``gradient_accumulation_steps`` puts the inner update
+    (which calls ``merge_call``) inside a replica-context ``cond``; under
+    MirroredStrategy in graph mode that raises. If a future Keras fixes it,
+    this test fails and the README's claim needs revisiting."""
+    x, y = make_data(N * B)
+    with strategy.scope():
+        model = make_mlp(seed=0)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2, gradient_accumulation_steps=N),
+            loss="mse",
+            jit_compile=False,
+        )
+    with pytest.raises(RuntimeError, match=r"`merge_call` called while defining a new graph"):
+        model.fit(_dataset(x, y, B), epochs=1, shuffle=False, verbose=0)
+
+    # Same model and data, the wrapper instead: trains.
+    model, opt = _distributed_accumulating_fit(strategy, lambda: keras.optimizers.Adam(1e-2), x, y, epochs=1)
+    assert int(opt.iterations.numpy()) == 1
+
+
+# --------------------------------------------------------------------------
+# One cross-replica reduction per update, not per micro-step
+# --------------------------------------------------------------------------
+def _replica_gradients(model, x, y):
+    """The hand reference: each replica's micro-batch gradient computed
+    independently on one device, as Keras forms it under a 2-replica strategy:
+    ``grad(mean loss over the replica's half of the batch) / num_replicas``."""
+    clone = make_mlp(seed=0)
+    clone.set_weights(model.get_weights())
+    half = len(x) // REPLICAS
+    out = []
+    for r in range(REPLICAS):
+        xs, ys = x[r * half : (r + 1) * half], y[r * half : (r + 1) * half]
+        with tf.GradientTape() as tape:
+            loss = mse(ys, clone(xs, training=True)) / REPLICAS
+        out.append([g.numpy() for g in tape.gradient(loss, clone.trainable_variables)])
+    return out
+
+
+def test_one_cross_replica_reduction_per_update_in_fit(strategy, monkeypatch):
+    m = 2 * N + 1  # two updates, then one micro-step that does not update
+    x, y = make_data(m * B, seed=3)
+    counter = ReductionCounter(monkeypatch, strategy)
+
+    # Control: plain Adam under the same strategy reduces once per step,
+    # which shows the counter counts executions (the step is traced once).
+    with strategy.scope():
+        plain = make_mlp(seed=0)
+        _fit(plain, keras.optimizers.Adam(1e-2), x, y, B, epochs=1)
+    control = counter.counts()
+    assert control["all_reduce"] == REPLICAS * m
+    assert control["batch_reduce_to"] == m
+
+    # The wrapper: m micro-steps, m // N updates, one reduction per update.
+    counter.all_reduce.assign(0)
+    counter.batch_reduce_to.assign(0)
+    counter.reduce_to.assign(0)
+    model, opt = _distributed_accumulating_fit(strategy, lambda: keras.optimizers.Adam(1e-2), x, y, epochs=1)
+    assert int(opt.micro_steps.numpy()) == m
+    assert int(opt.iterations.numpy()) == m // N == 2
+    counts = counter.counts()
+    assert counts["all_reduce"] == REPLICAS * (m // N), counts
+    assert counts["batch_reduce_to"] == m // N, counts
+    # `_reduce_to` is what Keras uses for the per-step logs (loss metric);
+    # the wrapper adds none of its own: same number as the plain run.
+    assert counts["reduce_to"] == control["reduce_to"], (counts, control)
+
+    # After the last (non-update) micro-step each replica's slots hold only
+    # its own local gradient of that micro-batch: not reduced, so the two
+    # components differ, and each equals the hand-computed replica gradient.
+    last_x, last_y = x[(m - 1) * B :], y[(m - 1) * B :]
+    expected = _replica_gradients(model, last_x, last_y)
+    for i, acc in enumerate(opt.acc_grads):
+        components = [np.asarray(c.numpy()) for c in acc.value.values]
+        assert len(components) == REPLICAS
+        assert np.max(np.abs(components[0] - components[1])) > 1e-3
+        for r in range(REPLICAS):
+            np.testing.assert_allclose(components[r], expected[r][i], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            components[0] + components[1], expected[0][i] + expected[1][i], rtol=0, atol=1e-6
+        )
+        # Read in cross-replica context the ON_READ slot is their sum.
+        np.testing.assert_allclose(acc.numpy(), components[0] + components[1], rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Custom loop: strategy.run(step_fn) inside tf.function
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_custom_loop_strategy_run_matches_single_device_large_batch(strategy, monkeypatch, opt_name):
+    optimizer_fn = OPTIMIZERS[opt_name]
+    x, y = make_data(N * B * WINDOWS, seed=4)
+    counter = ReductionCounter(monkeypatch, strategy)
+
+    with strategy.scope():
+        model = make_mlp(seed=0)
+        opt = AccumulatingOptimizer(optimizer_fn(), gradient_accumulation_steps=N)
+        # Built up front, as for any Keras optimizer in a custom distributed
+        # loop: building lazily inside `strategy.run` fails on this TF/Keras
+        # even for a plain keras.optimizers.Adam (InvalidArgumentError "You
+        # must feed a value for placeholder tensor 'cond/Placeholder'").
+        opt.build(model.trainable_variables)
+
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            # Mean over the replica's samples, scaled so replicas sum to the
+            # global mean (as tf.nn.compute_average_loss does).
+            loss = mse(yb, model(xb, training=True)) / strategy.num_replicas_in_sync
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def train_step(batch):
+        strategy.run(step_fn, args=batch)
+
+    for batch in strategy.experimental_distribute_dataset(_dataset(x, y, B)):
+        train_step(batch)
+    # Read before the reference runs: outside a strategy, the default replica
+    # context's (no-op) all_reduce is called by every plain update too.
+    counts = counter.counts()
+
+    ref_model = make_mlp(seed=0)
+    ref_opt = optimizer_fn()
+    train(ref_model, ref_opt, x, y, N * B, WINDOWS)
+
+    assert int(opt.micro_steps.numpy()) == N * WINDOWS
+    assert int(opt.iterations.numpy()) == WINDOWS
+    assert max_abs_diff(weights(model), weights(ref_model)) <= TOL
+    assert max_abs_diff(weights(opt.inner_optimizer.variables), weights(ref_opt.variables)) <= TOL
+    # Nothing else in this loop reduces across replicas: exactly one
+    # reduction per update, none per micro-step.
+    assert counts == {
+        "all_reduce": REPLICAS * WINDOWS,
+        "batch_reduce_to": WINDOWS,
+        "reduce_to": 0,
+    }
+
+
+# --------------------------------------------------------------------------
+# Clipping: against plain Keras under the same strategy
+# --------------------------------------------------------------------------
+def _per_replica_order(x, big, micro, replicas):
+    """Reorder samples so that accumulating micro-batches of ``micro`` give
+    each replica exactly the samples plain Keras gives it from batches of
+    ``big``: in plain training replica r gets ``batch[r*big/R:(r+1)*big/R]``;
+    micro-batch k of the window is made of the k-th ``micro/R`` chunk of each
+    replica's share."""
+    local_big, local_micro = big // replicas, micro // replicas
+    idx = []
+    for w in range(len(x) // big):
+        for k in range(big // micro):
+            for r in range(replicas):
+                start = w * big + r * local_big + k * local_micro
+                idx.extend(range(start, start + local_micro))
+    return np.asarray(idx)
+
+
+# Thresholds inside the range of the per-replica gradient norms of this
+# model and data (per variable 0.09..0.59, global 0.39..0.72), so some
+# gradients are clipped and some are not.
+@pytest.mark.parametrize("clip,c", [("clipnorm", 0.2), ("global_clipnorm", 0.5)])
+def test_clipping_matches_plain_keras_under_the_same_strategy(strategy, clip, c):
+    """Keras clips each replica's gradient before the all-reduce. The wrapper
+    hands each replica's window gradient (``slot / N``) to the inner optimizer,
+    which clips it, then all-reduces: the same per-replica clipping of the same
+    per-replica gradient as plain Keras with batch ``N * B``, provided each
+    replica sees the same samples (``_per_replica_order``)."""
+
+    def optimizer_fn():
+        return keras.optimizers.SGD(0.1, momentum=0.5, **{clip: c})
+
+    x, y = make_data(N * B * WINDOWS, seed=5)
+    order = _per_replica_order(x, N * B, B, REPLICAS)
+    assert sorted(order.tolist()) == list(range(len(x)))
+
+    model, opt = _distributed_accumulating_fit(strategy, optimizer_fn, x[order], y[order])
+
+    with strategy.scope():
+        ref_model = make_mlp(seed=0)
+        _fit(ref_model, optimizer_fn(), x, y, N * B, EPOCHS)
+
+    assert int(opt.iterations.numpy()) == WINDOWS * EPOCHS
+    assert max_abs_diff(weights(model), weights(ref_model)) <= TOL
+
+    # The comparison discriminates: clipping is active (the unclipped run
+    # differs), and per-replica clipping is not single-device clipping.
+    xe, ye = np.concatenate([x] * EPOCHS), np.concatenate([y] * EPOCHS)
+    unclipped = train(make_mlp(seed=0), keras.optimizers.SGD(0.1, momentum=0.5), xe, ye, N * B, WINDOWS * EPOCHS)
+    global_clip = train(make_mlp(seed=0), optimizer_fn(), xe, ye, N * B, WINDOWS * EPOCHS)
+    assert max_abs_diff(weights(ref_model), weights(unclipped)) > 1e-3
+    assert max_abs_diff(weights(ref_model), weights(global_clip)) > 1e-4

@@ -1,0 +1,158 @@
+"""Semantics of the legacy ``OptimizerV2`` wrapper, each against an
+independent reference (the batch-N·B run of the plain inner optimizer, the
+state before a micro-step, or the plain optimizer itself)."""
+
+from support.families import require
+
+require("legacy")
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from support import reference as R  # noqa: E402
+from accum_optimizer import AccumulatingOptimizer  # noqa: E402
+from accum_optimizer.families import legacy  # noqa: E402
+
+keras = tf.keras
+L = keras.optimizers.legacy
+N, B = 3, 2
+TOL = 1e-5
+
+
+def _everything(opt, model):
+    """Every variable the update could touch: weights, every inner variable
+    (iterations, slots), the inner hyperparameter variables."""
+    inner = opt.inner_optimizer
+    hypers = [v for v in inner._hyper.values() if isinstance(v, tf.Variable)]
+    return [v.numpy().copy() for v in list(model.weights) + list(inner.weights) + hypers]
+
+
+def test_learning_rate_and_lr_forwarded_getter_and_setter():
+    inner = L.Adam(0.05)
+    opt = AccumulatingOptimizer(inner, N)
+    assert opt.learning_rate is inner.learning_rate and opt.lr is inner.lr
+    opt.learning_rate = 0.25
+    assert float(inner.learning_rate.numpy()) == 0.25
+    opt.lr = 0.125
+    assert float(inner.lr.numpy()) == 0.125
+    keras.backend.set_value(opt.lr, 0.5)  # what Keras 2's callbacks do
+    assert float(keras.backend.get_value(inner.learning_rate)) == 0.5
+
+
+@pytest.mark.parametrize("callback", ["LearningRateScheduler", "ReduceLROnPlateau"])
+def test_fit_lr_callbacks_act_on_the_inner_optimizer(callback):
+    # Reference: plain Adam at batch N*B with the same callback. The
+    # callbacks read and write `optimizer.lr` once per epoch.
+    epochs, updates = 3, 2
+    x, y = R.dense_data(N * B * updates)
+
+    def cb():
+        if callback == "LearningRateScheduler":
+            return keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)
+        return keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9)
+
+    runs = []
+    for accumulate in (False, True):
+        model = R.dense_model()
+        inner = L.Adam(0.05)
+        model.compile(AccumulatingOptimizer(inner, N) if accumulate else inner, loss="mse")
+        model.fit(x, y, batch_size=B if accumulate else N * B, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[cb()])
+        runs.append((model, inner))
+    (ref_model, ref_inner), (acc_model, acc_inner) = runs
+    lr = float(acc_inner.learning_rate.numpy())
+    assert lr == float(ref_inner.learning_rate.numpy()) < 0.05
+    assert R.max_abs_diff(ref_model.get_weights(), acc_model.get_weights()) <= TOL
+    assert int(acc_inner.iterations.numpy()) == epochs * updates
+
+
+def test_inner_slots_reachable():
+    ref, acc = R.run_pair(lambda m: L.Adam(0.05), N, B, 2)
+    inner = acc["opt"].inner_optimizer
+    assert inner.get_slot_names() == ref["inner"].get_slot_names() == ["m", "v"]
+    for v_ref, v_acc in zip(ref["model"].trainable_variables, acc["model"].trainable_variables):
+        for s in ("m", "v"):
+            assert R.max_abs_diff([ref["inner"].get_slot(v_ref, s).numpy()], [inner.get_slot(v_acc, s).numpy()]) <= TOL
+    assert acc["opt"].get_slot_names() == []  # none forwarded: each slot is saved once
+
+
+def test_config_round_trip_and_registration():
+    opt = AccumulatingOptimizer(L.Adam(0.05, clipnorm=1.0), 4, reduction="sum", name="acc")
+    config = opt.get_config()
+    again = type(opt).from_config(config)
+    assert again.get_config() == config
+    via_top = AccumulatingOptimizer.from_config(config)
+    assert type(via_top) is type(opt) and via_top.get_config() == config
+    ser = keras.optimizers.serialize(opt)
+    assert keras.optimizers.deserialize(ser).get_config() == config
+    assert keras.utils.get_registered_name(type(opt)) == "accum_optimizer>LegacyAccumulatingOptimizer"
+
+
+def test_dispatch_returns_the_legacy_wrapper():
+    opt = AccumulatingOptimizer(L.SGD(0.1), 2)
+    assert type(opt) is legacy.AccumulatingOptimizer
+    assert isinstance(opt, AccumulatingOptimizer) and isinstance(opt, L.Optimizer)
+    assert legacy.AccumulatingOptimizer._keras.__name__ == keras.optimizers.Optimizer.__module__.split(".")[0]
+
+
+def test_validation_errors_name_argument_value_and_what_is_accepted():
+    cls = legacy.AccumulatingOptimizer
+    with pytest.raises(TypeError, match=r"gradient_accumulation_steps=2.0 of type float"):
+        cls(L.SGD(), 2.0)
+    with pytest.raises(TypeError, match=r"gradient_accumulation_steps=True"):
+        cls(L.SGD(), True)
+    with pytest.raises(ValueError, match=r"int >= 1.*gradient_accumulation_steps=0"):
+        cls(L.SGD(), 0)
+    with pytest.raises(ValueError, match=r"`reduction` must be one of \('mean', 'sum'\).*reduction='avg'"):
+        cls(L.SGD(), 2, reduction="avg")
+    with pytest.raises(TypeError, match=r"Keras 2 legacy optimizer.*inner_optimizer=.*of type builtins.object"):
+        cls(object(), 2)
+    with pytest.raises(TypeError, match=r"of type .*optimizers\.(adam|optimizer).*Adam"):
+        cls(keras.optimizers.Adam(), 2)  # the Keras 2 new API is another family
+    with pytest.raises(ValueError, match=r"already an AccumulatingOptimizer \(gradient_accumulation_steps=2\)"):
+        cls(cls(L.SGD(), 2), 3)
+    with pytest.raises(ValueError, match=r"does not take `clipnorm` \(received clipnorm=1.0\)"):
+        cls(L.SGD(), 2, clipnorm=1.0)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\): steps=2.*Did you mean `steps` -> `gradient_accumulation_steps`"):
+        cls(L.SGD(), steps=2)
+    with pytest.raises(TypeError, match=r"missing the required argument `gradient_accumulation_steps`"):
+        cls(L.SGD())
+    with pytest.raises(ValueError, match=r"must not be a LossScaleOptimizer"):
+        cls(keras.mixed_precision.LossScaleOptimizer(L.SGD()), 2)
+    with pytest.raises(TypeError, match=r"supported family.*Keras 2 legacy OptimizerV2.*of type builtins.object"):
+        AccumulatingOptimizer(object(), 2)
+    # Defaults of base-optimizer arguments are accepted (generic configs).
+    cls(L.SGD(), 2, clipnorm=None, decay=0.0)
+
+
+def test_gradient_errors_before_any_state_changes():
+    model = R.dense_model()
+    opt = AccumulatingOptimizer(L.SGD(0.1), N)
+    v = model.trainable_variables
+    with pytest.raises(ValueError, match=r"Gradient shape \(2, 2\) does not match the shape \(5, 4\)"):
+        opt.apply_gradients([(tf.zeros((2, 2)), v[0])])
+    with pytest.raises(ValueError, match="No gradients provided for any variable"):
+        opt.apply_gradients([(None, w) for w in v])
+    assert not opt.built
+    opt.apply_gradients([(tf.zeros_like(w), w) for w in v])
+    with pytest.raises(ValueError, match="Unknown variable"):
+        opt.apply_gradients([(tf.zeros(()), tf.Variable(0.0))])
+    assert int(opt.micro_steps.numpy()) == 1
+
+
+def test_import_loads_no_keras3_and_registers_the_legacy_wrapper():
+    code = (
+        "import sys, tensorflow as tf, accum_optimizer\n"
+        "k = sys.modules.get('keras')\n"
+        "assert k is None or k.__version__.startswith('2.'), k.__version__\n"
+        "assert 'accum_optimizer.families.legacy' in sys.modules\n"
+        "assert 'accum_optimizer.families.keras3' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
