@@ -16,6 +16,9 @@ import keras
 
 from accum_optimizer._compat import private, require
 
+if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
+    raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
+
 CHECKED = "Keras 3.15.0 (TF 2.16.2), 3.15.1 (TF 2.21)"
 
 VAR_KEY = private(

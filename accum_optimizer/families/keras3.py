@@ -25,6 +25,9 @@ from accum_optimizer.families import _tf2
 from accum_optimizer.families.keras3_saving import Keras3Saving
 from accum_optimizer.families._tf import check_weight, variable_name
 
+if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
+    raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
+
 _INNER_ONLY_ARGS = {**_args.KERAS_OPTIMIZER_ARGUMENTS, "loss_scale_factor": None}
 
 

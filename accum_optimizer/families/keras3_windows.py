@@ -18,6 +18,9 @@ from keras import ops
 from accum_optimizer import counting
 from accum_optimizer._compat import keras3 as compat
 
+if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
+    raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
+
 _REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
 
 
