@@ -1,14 +1,20 @@
 """One module per optimizer family; each is a thin adapter over
-:mod:`accum_optimizer._accumulation` and defines ``AccumulatingOptimizer``,
-an instance of that family's optimizer base class.
+:mod:`accum_optimizer.core` and defines ``AccumulatingOptimizer``, an
+instance of that family's optimizer base class.
 
 * :mod:`~accum_optimizer.families.keras3`: Keras 3 (``keras.optimizers``).
-* :mod:`~accum_optimizer.families.tf1`: TF1 graph code
-  (``tf.compat.v1.train.Optimizer``, with ``Session``, ``global_step``,
-  ``Saver``).
+* :mod:`~accum_optimizer.families.keras2`: the Keras 2 new optimizer API
+  (``tf_keras.optimizers``, ``tf.keras.optimizers`` on TF <= 2.15).
 * :mod:`~accum_optimizer.families.legacy`: Keras 2 legacy ``OptimizerV2``
   (``tf.keras.optimizers.legacy``, ``tf_keras.optimizers.legacy``) and
   every tensorflow-addons optimizer.
-* :mod:`~accum_optimizer.families.keras2`: the Keras 2 new optimizer API
-  (``tf_keras.optimizers``, ``tf.keras.optimizers`` on TF <= 2.15).
+* :mod:`~accum_optimizer.families.tf1`: TF1 graph code
+  (``tf.compat.v1.train.Optimizer``, with ``Session``, ``global_step``,
+  ``Saver``).
+
+What they share, once: :mod:`~accum_optimizer.families._tf` (the core's
+backend in TensorFlow), :mod:`~accum_optimizer.families._tf2` (the three
+``tf.function`` families), :mod:`~accum_optimizer.families._keras2` (the two
+Keras 2 families), :mod:`~accum_optimizer.families._tf1_graph` (TF1 graph
+plumbing).
 """

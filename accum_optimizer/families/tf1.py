@@ -219,7 +219,7 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
                 # The window's position (-1, "unknown", until the first run:
                 # then `micro_steps % N`, what it was before it was kept, so
                 # that a checkpoint saved without it resumes exactly; see
-                # `_accumulation.resume_position`) and count.
+                # `core.resume_position`) and count.
                 with tf.name_scope(f"{self.get_name()}/"):
                     mini_step = self._own_variable(
                         "mini_step", tf.constant(core.UNKNOWN_POSITION, tf.int64), first
