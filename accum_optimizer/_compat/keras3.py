@@ -246,8 +246,9 @@ def install_gates(inner: Any, variables: Sequence[Any], gates: dict) -> Callable
     patched = []
     for opt in optimizer_tree(inner):
         keyed = {var_key(opt, variables[i]): g for i, g in gates.items()}
+        by_key = {var_key(opt, variables[i]): variables[i] for i in gates}
         patched.append(opt)
-        object.__setattr__(opt, "update_step", _gated_update_step(opt, keyed))
+        object.__setattr__(opt, "update_step", _gated_update_step(opt, keyed, by_key))
         object.__setattr__(opt, "_apply_weight_decay", _gated_weight_decay(opt, keyed))
     constrained = []
     for i, gate in gates.items():
@@ -278,34 +279,59 @@ class _GatedConstraint(keras.constraints.Constraint):
         return keras.ops.cond(self.gate, lambda: self.constraint(x), lambda: x)
 
 
-def _gated_update_step(opt: Any, gates: dict) -> Callable:
+USE_WEIGHT_DECAY = private(
+    "keras.optimizers.Optimizer._use_weight_decay",
+    "keras",
+    "a gated variable's weight decay runs under the cond of its gate, beside its update step "
+    "(the TF backend's _apply_weight_decay enters merge_call, which a cond in replica context "
+    "refuses under MirroredStrategy: issue 17, bug 0); whether Keras decays the variable "
+    "(exclude_from_weight_decay) is Keras' own decision",
+    CHECKED,
+    lambda k: k.optimizers.Optimizer._use_weight_decay,
+)
+
+
+def decay_one(opt: Any, variable: Any, component: Any) -> None:
+    """Keras' weight decay of ``variable`` (``component`` is the tensor
+    written: the variable, or its replica's copy inside a strategy's update):
+    ``v - v * weight_decay * learning_rate``, the formula of every Keras 3
+    backend's ``_apply_weight_decay`` (``keras/src/optimizers/base_optimizer.py``)."""
+    if opt.weight_decay is None or not require(USE_WEIGHT_DECAY, keras)(opt, variable):
+        return
+    lr = keras.ops.cast(opt.learning_rate, component.dtype)
+    wd = keras.ops.cast(opt.weight_decay, component.dtype)
+    component.assign(component - component * wd * lr)
+
+
+def _gated_update_step(opt: Any, gates: dict, variables: dict) -> Callable:
     orig = opt.update_step
 
     def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
-        gate = gates.get(var_key(opt, variable))
+        key = var_key(opt, variable)
+        gate = gates.get(key)
         if gate is None:
             return orig(gradient, variable, learning_rate)
-        return keras.ops.cond(gate, lambda: _none(orig(gradient, variable, learning_rate)), lambda: None)
+
+        def update() -> None:
+            # Keras decays every variable, then updates each: per variable
+            # the same two writes in the same order (weight decay first).
+            decay_one(opt, variables[key], variable)
+            orig(gradient, variable, learning_rate)
+
+        return keras.ops.cond(gate, update, lambda: None)
 
     return update_step
 
 
 def _gated_weight_decay(opt: Any, gates: dict) -> Callable:
+    """Weight decay of the ungated variables only; the gated ones decay in
+    their gated update step (``_gated_update_step``)."""
     orig = opt._apply_weight_decay
 
     def apply_weight_decay(variables: Any) -> None:
-        variables = list(variables)
         orig([v for v in variables if var_key(opt, v) not in gates])
-        for v in variables:
-            gate = gates.get(var_key(opt, v))
-            if gate is not None:
-                keras.ops.cond(gate, lambda v=v: _none(orig([v])), lambda: None)
 
     return apply_weight_decay
-
-
-def _none(_: Any) -> None:
-    return None
 
 
 # --------------------------------------------------------------- saving
