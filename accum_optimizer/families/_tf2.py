@@ -384,10 +384,18 @@ class Accumulating(_args.Constructor):
         nothing.
 
         Raises:
-            ValueError: called inside ``strategy.run`` (replica context).
+            ValueError: called inside ``strategy.run`` (replica context), or
+                before the optimizer is built.
         """
-        if not self._window_built() or not self._accumulates:
+        if not self._accumulates:
             return
+        if not self._window_built():
+            raise ValueError(
+                "AccumulatingOptimizer.flush() before the optimizer is built: it holds no "
+                "window yet, so there is nothing to flush. Build it first "
+                "(opt.build(model.trainable_variables)), or take a micro-step "
+                "(apply_gradients, or model.fit)."
+            )
         if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
             raise ValueError(
                 "AccumulatingOptimizer.flush() must be called in cross-replica "

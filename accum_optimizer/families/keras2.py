@@ -91,6 +91,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
             (:class:`accum_optimizer._args.Constructor`).
     """
 
+    _FAMILY = "Keras 2 new API"
     _INNER_ONLY = _INNER_ONLY_ARGS
     _KIND, _API = "Keras 2 optimizer", "optimizers"
 

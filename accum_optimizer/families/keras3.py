@@ -197,6 +197,7 @@ class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, 
         NotImplementedError: Keras runs another backend than TensorFlow.
     """
 
+    _FAMILY = "Keras 3"
     _INNER_ONLY = _INNER_ONLY_ARGS
     _NONFINITE = core.NONFINITE_POLICIES
 

@@ -218,9 +218,10 @@ class FlushPartialWindow(keras.callbacks.Callback):
         self._flush()
 
     def _flush(self) -> None:
-        if not self._flushed:
+        opt = self._optimizer()
+        if not self._flushed and opt._window_built():  # (unbuilt: no step taken, no window)
             self._flushed = True
-            self._optimizer().flush()
+            opt.flush()
 
     def _optimizer(self) -> Any:
         from accum_optimizer.families.keras3 import AccumulatingOptimizer

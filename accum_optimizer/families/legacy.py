@@ -114,6 +114,7 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
             before any variable changes).
     """
 
+    _FAMILY = "Keras 2 legacy (OptimizerV2)"
     _INNER_ONLY = _INNER_ONLY_ARGS
     _IGNORED = _IGNORED_CONFIG_KEYS
 

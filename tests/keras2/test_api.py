@@ -248,3 +248,23 @@ def test_tf_keras_optimizer_is_wrapped_when_tf_keras_is_not_the_active_tf_keras(
         " tf.keras.optimizers.Optimizer.__module__.split('.')[0])\n"
     )
     assert _python(code, drop_legacy_env=True) == "accum_optimizer.families.keras2 True keras"
+
+
+# ------------------------------------------- a wrapper in another Keras
+def test_a_wrapper_compiled_into_another_keras_model_names_its_family():
+    """Keras' "Could not interpret optimizer identifier: ..." prints the
+    wrapper: it names the family and the Keras whose models it trains, both
+    ways (Keras 3 wrapper into a Keras 2 model, Keras 2 wrapper into a Keras 3
+    model). Needs Keras 3 beside the Keras 2 package (tf_keras on TF 2.21)."""
+    keras3 = pytest.importorskip("keras")
+    if not keras3.__version__.startswith("3."):
+        pytest.skip(f"`keras` is Keras {keras3.__version__} here: no Keras 3 beside {PACKAGE.__name__}")
+    model2 = keras.Sequential([keras.layers.Dense(1, input_shape=(2,))])
+    with pytest.raises(ValueError, match=_all_of(
+            "Could not interpret optimizer identifier", "Keras 3 family", f"keras {keras3.__version__} models")):
+        model2.compile(AccumulatingOptimizer(keras3.optimizers.Adam(), 2), "mse")
+    model3 = keras3.Sequential([keras3.Input((2,)), keras3.layers.Dense(1)])
+    with pytest.raises(ValueError, match=_all_of(
+            "Could not interpret optimizer identifier", "Keras 2 new API family",
+            f"{PACKAGE.__name__} {PACKAGE.__version__} models")):
+        model3.compile(AccumulatingOptimizer(o.Adam(), 2), "mse")
