@@ -30,12 +30,13 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from accum_optimizer import _args, core
+from accum_optimizer import _args, core, counting
 from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families._tf import (
     TFBackend,
     as_gradients,
     check_gradient_shapes,
+    check_weight,
     local_value,
     no_gradients,
     shape_checked,
@@ -108,6 +109,30 @@ class Accumulating(_args.Constructor):
         """Does a sparse window reach the inner optimizer as slices (else:
         dense, only the touched rows being zeroed afterwards)?"""
         return True
+
+    def _before_base(self, args: _args.Arguments) -> None:
+        if _args.accumulates(args.steps, args.nonfinite):  # (the pass-through goes wherever its inner goes)
+            check_strategy()
+
+    def _check_strategy_at_build(self) -> None:
+        """At build, under the strategy the variables live in (an optimizer
+        created outside a strategy's scope and built inside it): refuse the
+        strategies that cannot accumulate (:func:`check_strategy`)."""
+        if self._accumulates:
+            check_strategy()
+
+    def _micro_step_weight(self, weight: Any) -> Any:
+        """A micro-step's checked ``weight``: the one given, else the count a
+        counted loss reported in this train step (``CountedLoss`` in ``fit``:
+        :mod:`accum_optimizer.counting`), else ``None`` (unweighted).
+
+        Raises:
+            ValueError, TypeError: as :func:`~accum_optimizer.families._tf.check_weight`;
+                ValueError as :func:`accum_optimizer.counting.reported_count`.
+        """
+        if weight is None:
+            weight = counting.reported_count(self.reduction)
+        return check_weight(weight)
 
     # -------------------------------------------------------------- state
     def _window_built(self) -> bool:

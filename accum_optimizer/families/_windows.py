@@ -1,0 +1,58 @@
+"""What the Keras families' ``model.fit`` tools share (Keras 3:
+:mod:`~accum_optimizer.families.keras3_windows`; Keras 2, both families:
+:mod:`~accum_optimizer.families.keras2_windows`): the flush at epoch end of
+``FlushPartialWindow``, a mixin placed before the Keras package's
+``Callback``. The count a ``CountedLoss`` reports is
+:func:`accum_optimizer.counting.micro_batch_count`. No Keras import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FlushAtEpochEnd:
+    """``FlushPartialWindow``'s hooks: flush before the epoch's validation
+    (``on_test_begin`` inside ``fit``), else at ``on_epoch_end``; once per
+    epoch. Finds the ``AccumulatingOptimizer`` (of any family) as
+    ``model.optimizer`` or its ``inner_optimizer`` (a ``LossScaleOptimizer``
+    around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_fit = False
+        self._flushed = False
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._optimizer()
+        self._in_fit = True
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._in_fit = False
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._flushed = False
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        if self._in_fit:
+            self._flush()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        if not self._flushed:
+            self._flushed = True
+            self._optimizer().flush()
+
+    def _optimizer(self) -> Any:
+        from accum_optimizer import AccumulatingOptimizer
+
+        opt = self.model.optimizer
+        for candidate in (opt, getattr(opt, "inner_optimizer", None)):
+            if isinstance(candidate, AccumulatingOptimizer):
+                return candidate
+        raise ValueError(
+            "FlushPartialWindow needs a model compiled with an AccumulatingOptimizer "
+            f"(or a LossScaleOptimizer around one). The model's optimizer is {opt!r}."
+        )
