@@ -2,13 +2,14 @@
 :mod:`~accum_optimizer.families.keras3_windows`; Keras 2, both families:
 :mod:`~accum_optimizer.families.keras2_windows`): the flush at epoch end of
 ``FlushPartialWindow``, a mixin placed before the Keras package's
-``Callback``. The count a ``CountedLoss`` reports is
+``Callback``; how ``CountedLoss`` resolves its loss and merges the masks.
+The count a ``CountedLoss`` reports is
 :func:`accum_optimizer.counting.micro_batch_count`. No Keras import.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
 class FlushAtEpochEnd:
@@ -56,3 +57,41 @@ class FlushAtEpochEnd:
             "FlushPartialWindow needs a model compiled with an AccumulatingOptimizer "
             f"(or a LossScaleOptimizer around one). The model's optimizer is {opt!r}."
         )
+
+
+def resolve_loss(loss: Any, reduction: str | None, loss_class: type, get: Callable[[Any], Any],
+                 wrap: Callable[..., Any], default_reduction: str, package: str) -> Any:
+    """``CountedLoss``'s inner loss: ``loss`` itself (a ``loss_class``), what
+    ``get`` resolves an identifier to, or a function wrapped by ``wrap(fn,
+    reduction=..., name=...)`` (the package's ``LossFunctionWrapper``).
+
+    Raises:
+        ValueError: ``reduction`` given with a loss object of another one.
+        TypeError: ``loss`` is not a loss, identifier or callable.
+    """
+    if isinstance(loss, loss_class):
+        if reduction is not None and reduction != loss.reduction:
+            raise ValueError(
+                f"CountedLoss: `reduction` is only for a loss function; {loss.name!r} "
+                f"has reduction={loss.reduction!r} (received reduction={reduction!r})."
+            )
+        return loss
+    if isinstance(loss, (str, dict)):
+        resolved = get(loss)
+        if isinstance(resolved, loss_class):
+            return resolved
+        loss = resolved
+    if callable(loss):
+        return wrap(loss, reduction=reduction or default_reduction, name=getattr(loss, "__name__", None))
+    raise TypeError(
+        f"CountedLoss(loss): `loss` must be a {package}.losses.Loss, an identifier "
+        f"{package}.losses.get resolves, or a function. Received {loss!r}."
+    )
+
+
+def merge_masks(in_mask: Any, out_mask: Any) -> Any:
+    """The mask a Keras ``Loss.__call__`` applies: the prediction's and the
+    losses' (both, when both have one)."""
+    if in_mask is not None and out_mask is not None:
+        return in_mask & out_mask
+    return in_mask if in_mask is not None else out_mask

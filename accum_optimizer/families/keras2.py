@@ -279,7 +279,9 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         all-reduced across replicas.
 
         ``weight``: the micro-batch's count, as in the Keras 3 family's
-        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`.
+        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`;
+        ``None``: the count a ``CountedLoss`` reported in this train step
+        (``fit``), if any, else 1.
 
         Returns:
             ``iterations`` (updates taken).

@@ -123,11 +123,7 @@ def _count(package: Any, losses: Any, y_pred: Any, sample_weight: Any, reduction
     if reduction == "sum":
         return counting.micro_batch_count(None, None, None, reduction)
     utils = compat.losses_utils(package)
-    in_mask, out_mask = utils.get_mask(y_pred), utils.get_mask(losses)
-    if in_mask is not None and out_mask is not None:
-        mask = in_mask & out_mask
-    else:
-        mask = in_mask if in_mask is not None else out_mask
+    mask = _windows.merge_masks(utils.get_mask(y_pred), utils.get_mask(losses))
     values = tf.convert_to_tensor(losses)
     if not values.dtype.is_floating:
         values = tf.cast(values, tf.float32)
@@ -140,27 +136,9 @@ def _count(package: Any, losses: Any, y_pred: Any, sample_weight: Any, reduction
 
 
 def _resolve_loss(package: Any, loss: Any, reduction: str | None) -> Any:
-    Loss = package.losses.Loss
-    if isinstance(loss, Loss):
-        if reduction is not None and reduction != loss.reduction:
-            raise ValueError(
-                f"CountedLoss: `reduction` is only for a loss function; {loss.name!r} "
-                f"has reduction={loss.reduction!r} (received reduction={reduction!r})."
-            )
-        return loss
-    if isinstance(loss, (str, dict)):
-        resolved = package.losses.get(loss)
-        if isinstance(resolved, Loss):
-            return resolved
-        loss = resolved
-    if callable(loss):
-        return compat.loss_function_wrapper(package)(
-            loss, reduction=reduction or "auto", name=getattr(loss, "__name__", None)
-        )
-    raise TypeError(
-        f"CountedLoss(loss): `loss` must be a {package.__name__}.losses.Loss, an identifier "
-        f"{package.__name__}.losses.get resolves, or a function. Received {loss!r}."
-    )
+    return _windows.resolve_loss(loss, reduction, package.losses.Loss, package.losses.get,
+                                 lambda *a, **k: compat.loss_function_wrapper(package)(*a, **k),
+                                 "auto", package.__name__)
 
 
 class _FlushPartialWindow(_windows.FlushAtEpochEnd):

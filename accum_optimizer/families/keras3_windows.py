@@ -90,11 +90,7 @@ class CountedLoss(keras.losses.Loss):
             y_pred = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_pred)
             y_true = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_true)
             losses = inner.call(y_true, y_pred)
-            out_mask = compat.keras_mask(losses)
-            if in_mask is not None and out_mask is not None:
-                mask = in_mask & out_mask
-            else:
-                mask = in_mask if in_mask is not None else out_mask
+            mask = _windows.merge_masks(in_mask, compat.keras_mask(losses))
             value = compat.loss_helpers().reduce_weighted_values(
                 losses, sample_weight=sample_weight, mask=mask, reduction=inner.reduction, dtype=inner.dtype
             )
@@ -136,26 +132,9 @@ def micro_batch_count(losses: Any, sample_weight: Any, mask: Any, reduction: str
 
 
 def _resolve_loss(loss: Any, reduction: str | None) -> keras.losses.Loss:
-    if isinstance(loss, keras.losses.Loss):
-        if reduction is not None and reduction != loss.reduction:
-            raise ValueError(
-                f"CountedLoss: `reduction` is only for a loss function; {loss.name!r} "
-                f"has reduction={loss.reduction!r} (received reduction={reduction!r})."
-            )
-        return loss
-    if isinstance(loss, (str, dict)):
-        resolved = keras.losses.get(loss)
-        if isinstance(resolved, keras.losses.Loss):
-            return resolved
-        loss = resolved
-    if callable(loss):
-        return compat.loss_function_wrapper()(
-            loss, reduction=reduction or "sum_over_batch_size", name=getattr(loss, "__name__", None)
-        )
-    raise TypeError(
-        "CountedLoss(loss): `loss` must be a keras.losses.Loss, an identifier "
-        f"keras.losses.get resolves, or a function. Received {loss!r}."
-    )
+    return _windows.resolve_loss(loss, reduction, keras.losses.Loss, keras.losses.get,
+                                 lambda *a, **k: compat.loss_function_wrapper()(*a, **k),
+                                 "sum_over_batch_size", "keras")
 
 
 class FlushPartialWindow(_windows.FlushAtEpochEnd, keras.callbacks.Callback):

@@ -242,7 +242,9 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
         at each update.
 
         ``weight``: the micro-batch's count, as in the Keras 3 family's
-        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`.
+        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`;
+        ``None``: the count a ``CountedLoss`` reported in this train step
+        (``fit``), if any, else 1.
 
         Returns:
             ``None`` (the update is a ``tf.cond`` inside; read
