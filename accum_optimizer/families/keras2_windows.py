@@ -31,6 +31,9 @@ from accum_optimizer.families import _windows
 
 # Keras 2's scalar reductions ("auto" is "sum_over_batch_size" in fit).
 _REDUCTIONS = ("auto", "sum_over_batch_size", "sum")
+# The per-element losses of the `call` inside a CountedLoss' `__call__`, per
+# thread (each replica of a tf.distribute strategy runs in its own).
+_CALLED = threading.local()
 
 
 class _CountedLoss:
@@ -83,17 +86,16 @@ class _CountedLoss:
         super().__init__(reduction=inner.reduction, name=name or inner.name)
         self.inner_loss = inner
         self.identifier = loss  # for get_config
-        self.__dict__["_counted"] = threading.local()  # per replica thread: the last call's losses
 
     def call(self, y_true: Any, y_pred: Any) -> Any:
         losses = self.inner_loss.call(y_true, y_pred)
-        self._counted.losses = losses
+        _CALLED.losses = losses
         return losses
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
-        self._counted.losses = None
+        _CALLED.losses = None
         value = super().__call__(y_true, y_pred, sample_weight)  # Keras 2's own, with `call` above
-        losses, self._counted.losses = self._counted.losses, None
+        losses, _CALLED.losses = _CALLED.losses, None
         reduction = "sum" if self.reduction == "sum" else "sum_over_batch_size"
         count = _count(self._keras, losses, y_pred, sample_weight, reduction)
         counting.report_count(count, reduction, self.name)
