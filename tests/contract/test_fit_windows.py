@@ -18,6 +18,7 @@ import pytest
 
 from support.arrays import max_abs_diff
 from support.drivers import FAMILIES, NotApplicable, driver, params
+from support.tokens import padded, token_data
 
 TOL = 1e-6
 
@@ -84,35 +85,6 @@ def test_counted_loss_and_flush_in_fit_equal_fit_with_the_large_batch_every_epoc
     assert isinstance(model.loss, d.keras.losses.Loss)  # the active Keras' loss class
 
 
-def _token_data(n, max_len=9, vocab=12, seed=3):
-    """Sequences of very different lengths (1..max_len), ids in 1..vocab-1,
-    padded with 0; targets are per-token classes."""
-    rng = np.random.RandomState(seed)
-    lengths = rng.randint(1, max_len + 1, size=n)
-    lengths[0], lengths[1] = 1, max_len
-    x, y = np.zeros((n, max_len), "int32"), np.zeros((n, max_len), "int32")
-    for i, length in enumerate(lengths):
-        x[i, :length] = rng.randint(1, vocab, size=length)
-        y[i, :length] = rng.randint(0, 5, size=length)
-    return x, y
-
-
-def _padded(x, y, batch):
-    """Each batch padded to its own longest sequence (what padded_batch does)."""
-    import tensorflow as tf
-
-    lengths = (x > 0).sum(axis=1)
-
-    def gen():
-        for i in range(0, len(x), batch):
-            t = int(lengths[i:i + batch].max())
-            yield x[i:i + batch, :t], y[i:i + batch, :t]
-
-    spec = (tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None, None), tf.int32))
-    return tf.data.Dataset.from_generator(gen, output_signature=spec).apply(
-        tf.data.experimental.assert_cardinality(-(-len(x) // batch)))
-
-
 @pytest.mark.parametrize("family, case", params(FAMILIES, _fit_cases))
 def test_counted_masked_tokens_with_flush_in_fit_equal_the_large_batch(family, case):
     """Padded token sequences (lengths 1..9), ``Embedding(mask_zero=True)``,
@@ -137,14 +109,14 @@ def test_counted_masked_tokens_with_flush_in_fit_equal_the_large_batch(family, c
     # are not the reference there), so Keras 3's cell uses SGD, linear in the
     # gradient. Keras 2 deduplicates the slices, as the window's update does.
     inner_fn = (lambda: o.SGD(0.3)) if family == "keras3" else (lambda: o.Adam(0.05))
-    x, y = _token_data(26)
+    x, y = token_data(3, 26)
     ref, ref_inner = model(), inner_fn()
     ref.compile(ref_inner, K.losses.SparseCategoricalCrossentropy(from_logits=True))
-    ref.fit(_padded(x, y, 12), epochs=2, verbose=0)
+    ref.fit(padded(x, y, 12), epochs=2, verbose=0)
     acc, inner = model(), inner_fn()
     opt = AccumulatingOptimizer(inner, gradient_accumulation_steps=3)
     acc.compile(opt, CountedLoss(K.losses.SparseCategoricalCrossentropy(from_logits=True)))
-    acc.fit(_padded(x, y, 4), epochs=2, verbose=0, callbacks=[FlushPartialWindow()])
+    acc.fit(padded(x, y, 4), epochs=2, verbose=0, callbacks=[FlushPartialWindow()])
 
     assert int(opt.iterations.numpy()) == int(ref_inner.iterations.numpy()) == 6
     assert max_abs_diff(d.R.weights(ref), d.R.weights(acc)) <= TOL
