@@ -90,8 +90,9 @@ PYTHON_tf215   := $(PYTHON)
 EXTRAS_tf215   := test,addons
 PINS_tf215     := tensorflow==2.15.1 tensorflow-addons==0.23.0 numpy<2
 ENV_tf215      :=
-# (The Keras 2 new API's window contract tests run in tfkeras, on tf_keras 2.21.)
-ARGS_tf215     := --leave-out keras2,windows
+# (The Keras 2 new API's window contract tests run in tfkeras, on tf_keras 2.21;
+# so do the Keras 2 families' multi-worker processes, keras2/test_multiworker.py.)
+ARGS_tf215     := --leave-out keras2,windows --leave-out multiworker
 
 .PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
 	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))

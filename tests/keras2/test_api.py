@@ -268,3 +268,26 @@ def test_a_wrapper_compiled_into_another_keras_model_names_its_family():
             "Could not interpret optimizer identifier", "Keras 2 new API family",
             f"{PACKAGE.__name__} {PACKAGE.__version__} models")):
         model3.compile(AccumulatingOptimizer(o.Adam(), 2), "mse")
+
+
+# ------------------------------------------- CountedLoss, FlushPartialWindow
+def test_counted_loss_and_flush_are_the_active_keras_classes_and_load_with_the_model(tmp_path):
+    """``from accum_optimizer import CountedLoss, FlushPartialWindow`` gives
+    subclasses of this Keras 2 package's ``Loss`` and ``Callback`` (what its
+    ``compile`` and ``fit`` accept); a model compiled with the counted loss
+    saves and loads in the ``.keras`` and ``.h5`` formats with it, no
+    ``custom_objects``; a non-scalar reduction is refused with a message
+    naming it and what is accepted."""
+    from accum_optimizer import CountedLoss, FlushPartialWindow
+
+    assert issubclass(CountedLoss, keras.losses.Loss) and issubclass(FlushPartialWindow, keras.callbacks.Callback)
+    model = make_mlp(0)
+    model.compile(AccumulatingOptimizer(o.Adam(1e-2), 2), CountedLoss("mse"))
+    x, y = make_data(4)
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[FlushPartialWindow()])
+    for name in ("m.keras", "m.h5"):
+        model.save(str(tmp_path / name))
+        loaded = keras.models.load_model(str(tmp_path / name))
+        assert type(loaded.loss) is CountedLoss and loaded.loss.get_config() == model.loss.get_config()
+    with pytest.raises(ValueError, match=_all_of("CountedLoss", "reduction='none'", "'sum_over_batch_size'")):
+        CountedLoss(keras.losses.MeanSquaredError(reduction="none"))
