@@ -81,15 +81,15 @@ FEATURES = [
     Feature("resume mid-window from a checkpoint",
             _contract("test_resume.py", "test_resume_mid_window_after_a_flush_is_bitwise_the_uninterrupted_run")),
     Feature("`CountedLoss` (weighted windows) in `fit`", {
-        "keras3": "keras3/test_windows.py::test_unequal_micro_batches_equal_one_batch_of_ten",
-        "keras2": Missing("custom loop only (`weight=`)"),
-        "legacy": Missing("custom loop only (`weight=`)"),
+        "keras3": "contract/test_fit_windows.py::test_counted_loss_and_flush_in_fit_equal_fit_with_the_large_batch_every_epoch",
+        "keras2": "contract/test_fit_windows.py::test_counted_loss_and_flush_in_fit_equal_fit_with_the_large_batch_every_epoch",
+        "legacy": "contract/test_fit_windows.py::test_counted_loss_and_flush_in_fit_equal_fit_with_the_large_batch_every_epoch",
         "tf1": NO_FIT,
     }),
     Feature("`FlushPartialWindow` in `fit`", {
-        "keras3": "keras3/test_windows.py::test_flush_at_epoch_end_equals_fit_with_the_large_batch_every_epoch",
-        "keras2": Missing("call `flush()` from a callback"),
-        "legacy": Missing("call `flush()` from a callback"),
+        "keras3": "contract/test_fit_windows.py::test_counted_loss_and_flush_in_fit_equal_fit_with_the_large_batch_every_epoch",
+        "keras2": "contract/test_fit_windows.py::test_counted_loss_and_flush_in_fit_equal_fit_with_the_large_batch_every_epoch",
+        "legacy": "contract/test_fit_windows.py::test_counted_loss_and_flush_in_fit_equal_fit_with_the_large_batch_every_epoch",
         "tf1": NO_FIT,
     }),
     Feature("accumulation schedules (dict / callable)", {
@@ -124,14 +124,14 @@ FEATURES = [
     }),
     Feature("`MultiWorkerMirroredStrategy`, one all-reduce per update", {
         "keras3": "keras3/test_multiworker.py::test_one_gradient_all_reduce_per_update_per_worker",
-        "keras2": Missing("untested"),
-        "legacy": Missing("untested"),
+        "keras2": "keras2/test_multiworker.py::test_one_gradient_all_reduce_per_update_per_worker",
+        "legacy": "keras2/test_multiworker.py::test_one_gradient_all_reduce_per_update_per_worker",
         "tf1": NO_STRATEGY,
     }),
     Feature("refusal of strategies that cannot be served (`ParameterServerStrategy`, `CentralStorageStrategy`)", {
-        "keras3": "keras3/test_strategies.py::test_central_storage_strategy_is_refused",
-        "keras2": Missing("not refused"),
-        "legacy": Missing("not refused"),
+        "keras3": "contract/test_strategies.py::test_central_storage_strategy_is_refused_at_construction_and_at_build",
+        "keras2": "contract/test_strategies.py::test_central_storage_strategy_is_refused_at_construction_and_at_build",
+        "legacy": "contract/test_strategies.py::test_central_storage_strategy_is_refused_at_construction_and_at_build",
         "tf1": "tf1/test_api.py::test_a_distribution_strategy_is_refused",
     }),
     Feature("checkpoints saved by earlier versions resume bitwise", {
