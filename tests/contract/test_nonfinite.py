@@ -202,3 +202,37 @@ def test_policy_and_accumulator_dtype_round_trip_through_the_config(family, case
     del config["nonfinite"], config["accumulator_dtype"]  # a config of an older version
     again = type(opt).from_config(config)
     assert (again.nonfinite, again.accumulator_dtype) == ("propagate", None)
+
+
+@pytest.mark.parametrize("family, fmt", params(FAMILIES, lambda d: d.save_formats()))
+def test_resume_inside_a_poisoned_window_still_discards_it(family, fmt, tmp_path):
+    """"skip_window", N = 3, micro-batch 4 non-finite; saved after micro-batch
+    4 (the second window holds 3 and the poisoned 4), restored into a fresh
+    model (other initial weights) and optimizer in the family's own format:
+    the mark, the skip counters and the window come back, so the window is
+    still discarded and the run ends bitwise as the uninterrupted one."""
+    d = driver(family)
+    x, y = d.data(18)
+    bad = _poisoned(x, [2] * 9, 4, np.nan)
+    parts = _batches([2] * 9)
+
+    def steps(t, ks):
+        for k in ks:
+            t.step(bad[parts[k]], y[parts[k]])
+
+    def result(t):
+        return t.weights() + t.inner_state(), t.counters()
+
+    with d.trainer(Inner("adam", 0.05), n=3, nonfinite="skip_window") as t:
+        steps(t, range(9))
+        straight, straight_counters = result(t)
+    with d.trainer(Inner("adam", 0.05), n=3, nonfinite="skip_window") as t:
+        steps(t, range(5))
+        saved = t.save(fmt, tmp_path)
+    with d.trainer(Inner("adam", 0.05), n=3, nonfinite="skip_window", seed=7) as t:
+        t.restore(fmt, saved)
+        steps(t, range(5, 9))
+        resumed, counters = result(t)
+    assert counters == straight_counters
+    assert (counters["iterations"], counters["skipped_micro_steps"], counters["skipped_windows"]) == (2, 1, 1)
+    assert_bitwise_equal(straight, resumed)
