@@ -236,3 +236,31 @@ def test_resume_inside_a_poisoned_window_still_discards_it(family, fmt, tmp_path
     assert counters == straight_counters
     assert (counters["iterations"], counters["skipped_micro_steps"], counters["skipped_windows"]) == (2, 1, 1)
     assert_bitwise_equal(straight, resumed)
+
+
+def _keras_only(d):
+    if d.family == "tf1":
+        return NotApplicable("tf.distribute strategies are out of scope for TF1 graph code (tf1/test_api.py: refused)")
+    return [None]
+
+
+@pytest.mark.parametrize("family, case", params(FAMILIES, _keras_only))
+def test_every_replica_skips_a_micro_step_that_is_nonfinite_on_one(family, case, strategy):
+    """MirroredStrategy, 2 replicas of 2 samples each per micro-step, N = 2,
+    "skip_micro_step": NaN only in replica 1's shard of micro-step 1. Both
+    replicas drop it (the finiteness flag is all-reduced), so the window is
+    micro-steps 0 and 2: the plain inner optimizer on one device on their 8
+    samples. Tolerance 1e-5, as the other MirroredStrategy tests."""
+    d = driver(family)
+    x, y = d.data(12)
+    bad = x.copy()
+    bad[6:8] = np.nan  # micro-step 1, replica 1
+    ref = d.trainer(Inner("adam", 0.05))
+    ref.step(np.concatenate([x[0:4], x[8:12]]), np.concatenate([y[0:4], y[8:12]]))
+    t = d.trainer(Inner("adam", 0.05), n=2, strategy=strategy, nonfinite="skip_micro_step")
+    for k in range(3):
+        s = slice(4 * k, 4 * k + 4)
+        t.replica_step([bad[s][:2], bad[s][2:]], [y[s][:2], y[s][2:]])
+    counters = t.counters()
+    assert (counters["iterations"], counters["micro_steps"], counters["skipped_micro_steps"]) == (1, 2, 1)
+    _assert_same_training(ref, t, tol=1e-5)
