@@ -121,6 +121,25 @@ def test_callable_schedule_receives_the_update_index(family, case):
 
 
 @pytest.mark.windows
+@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+def test_a_flush_counts_as_an_update_of_the_schedule(family, case):
+    """{0: 1, 1: 2, 2: 3}: one micro-step (update 0), one into update 1's
+    window of 2, a flush (update 1, partial): the next window is update 2's,
+    of 3 micro-steps (counting the flush; without it, it would be update 1's
+    window of 2 again)."""
+    t = driver(family).vectors([0.0], Inner("sgd", 0.1), n={0: 1, 1: 2, 2: 3})
+    t.apply([1.0])
+    t.apply([1.0])
+    t.flush()
+    assert t.counters()["iterations"] == 2
+    counts = []
+    for _ in range(3):
+        t.apply([1.0])
+        counts.append(t.counters()["iterations"])
+    assert counts == [2, 2, 3]
+
+
+@pytest.mark.windows
 @pytest.mark.parametrize("family, fmt", params(FAMILIES, lambda d: d.save_formats()))
 def test_resume_mid_window_of_a_schedule_is_bitwise_the_uninterrupted_run(family, fmt, tmp_path):
     """{0: 1, 2: 3}: windows of 1, 1, 3, 3 micro-steps. Saved after micro-step
