@@ -159,6 +159,29 @@ def validate_nonfinite(value: Any, supported: Sequence[str] = NONFINITE_POLICIES
     return value
 
 
+WIDENED_DTYPES = ("float16", "bfloat16")
+"""Variable dtypes whose accumulators are float32 by default (a 16-bit
+running sum stalls: in bfloat16, 256 + 1 = 256)."""
+
+
+def accumulator_dtype_for(variable_dtype: str, accumulator_dtype: str | None) -> str:
+    """The dtype of a variable's accumulator (names: ``"float16"``):
+    ``accumulator_dtype`` if given, else float32 for :data:`WIDENED_DTYPES`,
+    else the variable's own."""
+    if accumulator_dtype is not None:
+        return accumulator_dtype
+    return "float32" if variable_dtype in WIDENED_DTYPES else variable_dtype
+
+
+def bad_accumulator_dtype(value: Any) -> ValueError:
+    """The error for an ``accumulator_dtype`` that is not ``None`` or a float dtype."""
+    return ValueError(
+        "`accumulator_dtype` must be None (float32 for float16/bfloat16 "
+        "variables, the variable's dtype otherwise) or a float dtype such "
+        f"as 'float32'. Received: accumulator_dtype={value!r}."
+    )
+
+
 def validate_accumulation_schedule(value: Any) -> Any:
     """Return ``gradient_accumulation_steps`` in one of its accepted forms.
 

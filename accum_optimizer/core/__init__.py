@@ -20,6 +20,7 @@ from accum_optimizer.core.state import (
     Replicas,
     Rules,
     WindowState,
+    skip_counters,
 )
 from accum_optimizer.core.window import (
     UNKNOWN_POSITION,
@@ -41,6 +42,7 @@ __all__ = [
     "Rules",
     "WindowState",
     "close_window",
+    "skip_counters",
     "flush",
     "micro_step",
     "pass_through",

@@ -98,6 +98,17 @@ NONFINITE_POLICIES = ("propagate", "skip_micro_step", "skip_window")
 REDUCTIONS = ("mean", "sum")
 
 
+def skip_counters(nonfinite: str) -> tuple[str, ...]:
+    """The :class:`WindowState` counters a family keeps under a non-finite
+    policy, in the order it keeps them: none for ``"propagate"``; both skip
+    counters for either skipping policy (``skipped_windows`` stays 0 under
+    ``"skip_micro_step"``); and ``window_poisoned`` for ``"skip_window"``."""
+    if nonfinite == "propagate":
+        return ()
+    counters = ("skipped_micro_steps", "skipped_windows")
+    return counters + ("window_poisoned",) if nonfinite == "skip_window" else counters
+
+
 @dataclasses.dataclass(frozen=True)
 class Rules:
     """What a window is (fixed when a step is traced).

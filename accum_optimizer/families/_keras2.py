@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from accum_optimizer import _args
+from accum_optimizer import _args, core
 from accum_optimizer._packages import active_keras, keras2_packages
+from accum_optimizer.families._tf import validate_accumulator_dtype
 
 
 def package_of(optimizer: Any, base_of: Callable[[Any], Any]) -> Any:
@@ -66,6 +67,26 @@ class PerPackage:
     _resumes_position = True
     _wrapper_class: Callable[[Any], type]
     _base_of: Callable[[Any], Any]
+    _NONFINITE = core.NONFINITE_POLICIES
+
+    def _check_accumulator_dtype(self, value: Any) -> str | None:
+        return validate_accumulator_dtype(value)
+
+    def _keep_numerics(self, args: _args.Arguments) -> None:
+        """Keep the non-finite policy and the accumulator dtype (``None``
+        skip counters until :meth:`build`)."""
+        self.nonfinite = args.nonfinite
+        self.accumulator_dtype = args.accumulator_dtype
+        self.skipped_micro_steps = self.skipped_windows = self.window_poisoned = None
+
+    def _accumulator_dtype(self, variable: Any) -> str:
+        """The accumulator's dtype for ``variable`` (by its ``true_dtype``
+        under a mixed-precision policy)."""
+        dtype = getattr(variable, "true_dtype", variable.dtype)
+        return _args.accumulator_dtype_for(dtype.base_dtype.name, self.accumulator_dtype)
+
+    def _numerics_config(self) -> dict:
+        return {"nonfinite": self.nonfinite, "accumulator_dtype": self.accumulator_dtype}
 
     def __new__(cls, inner_optimizer: Any = _args.REQUIRED, *args: Any, **kwargs: Any) -> Any:
         package = package_of(inner_optimizer, cls._base_of)

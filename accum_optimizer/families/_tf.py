@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from accum_optimizer import _args
+
 
 class TFBackend:
     """:class:`~accum_optimizer.core.state.Backend` over ``tf.Variable`` s in
@@ -166,6 +168,27 @@ class TFBackend:
 
 def _none(_: Any) -> None:
     return None
+
+
+def validate_accumulator_dtype(value: Any) -> str | None:
+    """``accumulator_dtype`` as a dtype name (``"float32"``), or ``None``.
+
+    Raises:
+        ValueError: not ``None`` or a floating dtype (a name, ``tf.DType`` or
+            NumPy dtype; numbers, which ``tf.as_dtype`` reads as enum values,
+            are refused).
+    """
+    if value is None:
+        return None
+    dtype = None
+    if not isinstance(value, (bool, int, float)):
+        try:
+            dtype = tf.as_dtype(value)
+        except (TypeError, ValueError):
+            dtype = None
+    if dtype is None or not dtype.is_floating:
+        raise _args.bad_accumulator_dtype(value)
+    return dtype.base_dtype.name
 
 
 def tf_variable(variable: Any) -> Any:

@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Sequence
 
 import tensorflow as tf
 
 from accum_optimizer import core
+from accum_optimizer._compat import tf as compat
 from accum_optimizer.families._tf import TFBackend, check_gradient_shapes, control_inputs
 
 tf1 = tf.compat.v1
@@ -36,7 +38,15 @@ class Window:
             return [self.micro_steps]
         rows = [t for t in (self.state.touched_rows or []) if t is not None]
         return [self.micro_steps, self.state.grad_received, *self.state.acc_grads, *rows,
-                self.state.mini_step, self.state.window_weight]
+                self.state.mini_step, self.state.window_weight, *self.extra_variables().values()]
+
+    def extra_variables(self) -> dict:
+        """The state of a skipping policy and of a schedule, by name (empty
+        under ``"propagate"`` with an int N)."""
+        if self.state is None:
+            return {}
+        names = ("skipped_micro_steps", "skipped_windows", "window_poisoned", "updates")
+        return {n: getattr(self.state, n) for n in names if getattr(self.state, n) is not None}
 
 
 class TF1Backend(TFBackend):
@@ -82,6 +92,55 @@ class TF1Backend(TFBackend):
             return run
 
         return tf.cond(pred, branch(true_fn), branch(false_fn))
+
+
+@contextlib.contextmanager
+def gated(inner: Any, gates: dict, variables: list):
+    """Skip, per variable, the ``inner`` optimizer's update of variables
+    without a gradient in the window.
+
+    ``gates`` (from :func:`accum_optimizer.core.micro_step`) maps each
+    variable without a gradient on this micro-step to a boolean that is
+    true iff it had one earlier in the window (another train op gave it
+    one). For those, the inner optimizer's per-variable update methods and
+    the variable's constraint run under a ``tf.cond`` on it; ``_finish``
+    (Adam's beta powers) and ``global_step`` move once per update, as in
+    the large-batch reference.
+    """
+    if not gates:
+        yield
+        return
+    remove = compat.gate_constraints(
+        variables, gates, [compat.tf1_install_gates(inner, {id(variables[i]): g for i, g in gates.items()})]
+    )
+    try:
+        yield
+    finally:
+        remove()
+
+
+def unknown_message(name: str, unknown: list, window: Window) -> str:
+    return (
+        f"AccumulatingOptimizer '{name}' was built for "
+        f"{len(window.variables)} variables ({[v.name for v in window.variables]}) "
+        f"and got gradients for others: {unknown}. All train ops of one "
+        "AccumulatingOptimizer share one window, so its update must know "
+        "every variable: call opt.build(<union of the var_lists>) before "
+        "the first minimize/apply_gradients, or use one "
+        "AccumulatingOptimizer per train op (separate windows)."
+    )
+
+
+def state_property(name: str, what: str) -> property:
+    """A wrapper's property: its window's ``name`` variable in the current
+    graph (``None`` before it is built there, or where the window has none)."""
+
+    def fget(self: Any) -> Any:
+        window = self._window()
+        return None if window is None or window.state is None else getattr(window.state, name)
+
+    return property(fget, doc=f"int64 scalar variable, {what}; ``None`` where not kept "
+                              "(skip counters: skipping policies only; ``updates``: schedules only).")
 
 
 # ------------------------------------------------------------------ helpers

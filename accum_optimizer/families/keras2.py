@@ -62,9 +62,13 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
       ``optimizers.get`` resolves (``"adam"``). A callable schedule of N must
       be registered with this package's ``register_keras_serializable`` for
       ``get_config``.
-    * ``nonfinite`` and ``accumulator_dtype`` accept only their defaults,
-      ``"propagate"`` and ``None`` (the accumulators take each variable's
-      ``true_dtype``).
+    * ``nonfinite`` and ``accumulator_dtype`` as in Keras 3 (the policies
+      keep ``skipped_micro_steps``, ``skipped_windows`` and, for
+      ``"skip_window"``, ``window_poisoned``; a 16-bit variable's
+      ``true_dtype`` picks the default float32 accumulator). With a
+      ``LossScaleOptimizer`` outside, a micro-step it skips never reaches this
+      optimizer (it is neither counted nor discards its window: Keras 2's
+      ``LossScaleOptimizer`` has no channel to tell it).
     * ``mini_step`` is -1 ("unknown") until the first micro-step or
       :meth:`flush`, which derive it from ``micro_steps``: state saved before
       it existed resumes exactly. ``mini_step`` and ``window_weight`` come
@@ -82,8 +86,9 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
 
     State (``tf.Variable`` s, saved wherever Keras 2 saves optimizer state,
     in :attr:`variables` order): ``micro_steps``, ``grad_received``,
-    ``acc_grads``, the inner optimizer's variables (``iterations`` first),
-    ``mini_step``, ``window_weight``.
+    ``acc_grads``, the skip counters (skipping policies only), the inner
+    optimizer's variables (``iterations`` first), ``mini_step``,
+    ``window_weight``.
 
     Raises:
         TypeError, ValueError: as the Keras 3 family's, for arguments
@@ -104,6 +109,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
     def _init_state(self, args: _args.Arguments) -> None:
         self.inner_optimizer = args.inner
         self.reduction = args.reduction
+        self._keep_numerics(args)
         self._remember_strategy()
         self.__dict__.update(_window_variables=[], _deferred_state=None, _skip_aggregation=False)
 
@@ -126,6 +132,10 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
                 if self._accumulates:
                     self.grad_received = self._counter(tf.zeros([len(var_list)], tf.int64), "grad_received")
                     self.acc_grads = [self._accumulator(v) for v in var_list]
+                    # The skip counters (a skipping policy only), after the
+                    # accumulators among the wrapper's own variables.
+                    for counter in core.skip_counters(self.nonfinite):
+                        setattr(self, counter, self._counter(tf.constant(0, tf.int64), counter))
                     # The window's position and count, after the inner
                     # optimizer's variables in `variables` (state saved
                     # without them, by 0.2.0.dev0 and older, is a prefix).
@@ -162,8 +172,9 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
 
     def _accumulator(self, reference: Any) -> tf.Variable:
         """One slot per trainable variable: a replica-local (``ON_READ``,
-        summed on read) zero-initialised copy of its shape and dtype."""
-        dtype = getattr(reference, "true_dtype", reference.dtype)
+        summed on read) zero-initialised variable of its shape, in the
+        accumulator dtype (float32 for a 16-bit variable by default)."""
+        dtype = self._accumulator_dtype(reference)
         with _tf2.colocated_with(self, reference):
             variable = tf.Variable(
                 tf.zeros(reference.shape, dtype), trainable=False,
@@ -329,6 +340,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
             "inner_optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
             "gradient_accumulation_steps": _tf2.serialize_schedule(self._keras, self.gradient_accumulation_steps),
             "reduction": self.reduction,
+            **self._numerics_config(),
             # Keras 2's `optimizers.deserialize` reads this to choose between
             # the new and the legacy optimizer classes.
             "is_legacy_optimizer": False,

@@ -301,9 +301,7 @@ class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, 
             else:
                 self.acc_grads = []
             if self.nonfinite != "propagate":
-                counters = ["skipped_micro_steps", "skipped_windows"]
-                if self.nonfinite == "skip_window":
-                    counters.append("window_poisoned")
+                counters = core.skip_counters(self.nonfinite)
                 for counter in counters:
                     setattr(self, counter, self.add_variable(
                         shape=(), dtype="int", aggregation="only_first_replica", name=counter
@@ -335,10 +333,7 @@ class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, 
         return compat.var_key(self, variable)
 
     def _accumulator_dtype(self, variable: Any) -> str:
-        if self.accumulator_dtype is not None:
-            return self.accumulator_dtype
-        dtype = keras.backend.standardize_dtype(variable.dtype)
-        return "float32" if dtype in ("float16", "bfloat16") else dtype
+        return _args.accumulator_dtype_for(keras.backend.standardize_dtype(variable.dtype), self.accumulator_dtype)
 
     def _replica_local(
         self, reference: Any, kind: str, shape: Any, dtype: str, autocast: bool = True
@@ -523,9 +518,5 @@ def _validate_accumulator_dtype(value: Any) -> str | None:
     except (ValueError, TypeError):
         dtype = None
     if dtype is None or not keras.backend.is_float_dtype(dtype):
-        raise ValueError(
-            "`accumulator_dtype` must be None (float32 for float16/bfloat16 "
-            "variables, the variable's dtype otherwise) or a float dtype such "
-            f"as 'float32'. Received: accumulator_dtype={value!r}."
-        )
+        raise _args.bad_accumulator_dtype(value)
     return dtype

@@ -83,7 +83,10 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
       optimizer, tfa's ``Lookahead``/``MovingAverage``/``SWA``/
       ``MultiOptimizer`` around one), or an identifier that
       ``optimizers.get(..., use_legacy_optimizer=True)`` resolves.
-    * ``nonfinite`` and ``accumulator_dtype`` accept only their defaults.
+    * ``nonfinite`` and ``accumulator_dtype`` as in Keras 3 (the skip
+      counters are weights of the wrapper, after the row trackers). With a
+      ``LossScaleOptimizer`` outside, a micro-step it skips never reaches this
+      optimizer (neither counted nor discarding its window).
     * ``mini_step`` is -1 ("unknown") until the first micro-step or
       :meth:`flush`, which derive it from ``micro_steps``: weights saved
       before it existed resume exactly.
@@ -102,7 +105,9 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
 
     State (saved wherever Keras 2 saves optimizer weights, in :attr:`weights`
     order): ``micro_steps``, ``grad_received``, the accumulators
-    (``acc_grads``) and row trackers (``touched_rows``), the inner
+    (``acc_grads``) and row trackers (``touched_rows``), the skip counters
+    (``skipped_micro_steps``, ``skipped_windows``, ``window_poisoned``:
+    skipping policies only), the inner
     optimizer's weights, ``mini_step``, ``window_weight``.
 
     Raises:
@@ -132,6 +137,7 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
         compat.legacy_adopt(self, args.inner)
         self.inner_optimizer = args.inner
         self.reduction = args.reduction
+        self._keep_numerics(args)
         self.mini_step = self.window_weight = None
         self._remember_strategy()
         self.__dict__.update(_window_weights=[], _aggregate=True, _legacy_key=compat.legacy_var_key(self._keras))
@@ -162,12 +168,20 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
                 own.append(self.grad_received)
                 for i, v in enumerate(var_list):
                     with _tf2.colocated_with(self, v):
-                        self.acc_grads.append(self._replica_local(f"acc_grad_{i}", v.shape, v.dtype))
+                        self.acc_grads.append(
+                            self._replica_local(f"acc_grad_{i}", v.shape, tf.as_dtype(self._accumulator_dtype(v)))
+                        )
                         rows = None
                         if v.shape.rank:
                             rows = self._replica_local(f"touched_rows_{i}", v.shape[:1], tf.float16)
                         self.touched_rows.append(rows)
                 own += self.acc_grads + [r for r in self.touched_rows if r is not None]
+                # The skip counters (a skipping policy only), last of the wrapper's own.
+                for counter in core.skip_counters(self.nonfinite):
+                    setattr(self, counter, self.add_weight(
+                        counter, shape=[], dtype=tf.int64, trainable=False, aggregation=first
+                    ))
+                    own.append(getattr(self, counter))
                 # The window's position and count, after the inner
                 # optimizer's weights (weights saved without them, by
                 # 0.2.0.dev0 and older, are a prefix). `mini_step` starts at
@@ -285,6 +299,7 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
             "inner_optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
             "gradient_accumulation_steps": _tf2.serialize_schedule(self._keras, self.gradient_accumulation_steps),
             "reduction": self.reduction,
+            **self._numerics_config(),
         }
 
     @classmethod

@@ -14,7 +14,6 @@ branches return grouped ops) and creates the state at graph construction.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterable, Sequence
 
 import tensorflow as tf
@@ -22,7 +21,7 @@ import tensorflow as tf
 from accum_optimizer import _args, core
 from accum_optimizer._compat import tf as compat
 from accum_optimizer.families import _tf1_graph as graph
-from accum_optimizer.families._tf import check_weight, control_inputs
+from accum_optimizer.families._tf import check_weight, control_inputs, validate_accumulator_dtype
 
 tf1 = tf.compat.v1
 
@@ -49,11 +48,19 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
             ``global_step`` see update counts.
         gradient_accumulation_steps: ``int >= 1``, the number ``N`` of
             micro-steps per update. ``1`` is a pass-through to the inner
-            optimizer (no accumulators).
+            optimizer (no accumulators). Or a schedule, as in Keras 3: a dict
+            ``{first_update: N}`` or a callable ``update_index -> N`` (of an
+            int64 tensor, N computed in the graph), the updates counted in
+            :attr:`updates` (TF1 optimizers count none of their own).
         reduction: ``"mean"`` (default) applies ``sum / N``; ``"sum"`` applies
             the sum of the ``N`` micro-batch gradients.
         name: name of the wrapper's variables and ops (default
             ``"AccumulatingOptimizer"``).
+        nonfinite: ``"propagate"`` (default), ``"skip_micro_step"``,
+            ``"skip_window"``: the Keras 3 family's policies (counted in
+            :attr:`skipped_micro_steps`, :attr:`skipped_windows`).
+        accumulator_dtype: as in Keras 3: ``None`` (float32 for 16-bit
+            variables, else the variable's dtype) or a float dtype.
 
     State (created at graph construction, by the first
     ``apply_gradients``/``minimize`` or by :meth:`build`; non-trainable
@@ -80,8 +87,9 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
     ``c`` a number or a tensor such as a placeholder) and the partial window
     (:meth:`flush`, an op to run at the end of an epoch) follow the Keras 3
     family; the window's gradient is ``Σ cᵢ·gᵢ / Σ cᵢ`` under ``"mean"``.
-    Accumulation schedules are not supported here (TF1 optimizers have no
-    update counter of their own).
+    The skip counters (skipping policies) and :attr:`updates` (schedules)
+    are global variables after ``window_weight`` in
+    :meth:`accumulation_variables`.
 
     One wrapper is one window: every run of any op it returned is a micro-step
     of the same window, and the update applies every variable that had a
@@ -97,17 +105,21 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
 
     Raises:
         TypeError: ``inner_optimizer`` is not a ``tf.compat.v1.train.Optimizer``,
-            ``gradient_accumulation_steps`` is not an int, a required argument
+            ``gradient_accumulation_steps`` is not an int, dict or callable, a required argument
             is missing, or an unexpected keyword argument is given (the
             message names the close match).
-        ValueError: ``gradient_accumulation_steps < 1``; ``reduction`` not in
+        ValueError: ``gradient_accumulation_steps < 1`` (or a bad schedule);
+            ``nonfinite`` or ``accumulator_dtype`` not accepted; ``reduction`` not in
             ``("mean", "sum")``; the inner optimizer is an
             ``AccumulatingOptimizer``; ``use_locking`` is passed (it belongs on
             the inner optimizer).
     """
 
     _INNER_ONLY = {"use_locking": False}
-    _SCHEDULES = False
+    _NONFINITE = core.NONFINITE_POLICIES
+
+    def _check_accumulator_dtype(self, value: Any) -> str | None:
+        return validate_accumulator_dtype(value)
 
     def _family_models(self) -> str:
         return "TF1 family (tf.compat.v1 graph code)"
@@ -128,6 +140,8 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
     def _init_state(self, args: _args.Arguments) -> None:
         self._inner = args.inner
         self.reduction = args.reduction
+        self.nonfinite = args.nonfinite
+        self.accumulator_dtype = args.accumulator_dtype
         self._windows: dict[Any, graph.Window] = {}
 
     def _window(self) -> graph.Window | None:
@@ -191,7 +205,7 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
         if window is not None:
             unknown = [v.name for v in var_list if v.ref() not in window.index]
             if unknown:
-                raise ValueError(self._unknown_message(unknown, window))
+                raise ValueError(graph.unknown_message(self.get_name(), unknown, window))
             return
         self._build(var_list, {v.ref() for v in sparse})
 
@@ -203,14 +217,14 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
             with tf.name_scope(f"{self.get_name()}/"):
                 micro_steps = self._own_variable("micro_steps", tf.zeros([], tf.int64), first)
             state = None
-            if steps > 1:
+            if _args.accumulates(steps, self.nonfinite):
                 with tf.name_scope(f"{self.get_name()}/"):
                     received = self._own_variable(
                         "grad_received", tf.zeros([len(var_list)], tf.int64), first
                     )
                 accs, trackers = [], []
                 for i, v in enumerate(var_list):
-                    dtype = v.dtype.base_dtype
+                    dtype = _args.accumulator_dtype_for(v.dtype.base_dtype.name, self.accumulator_dtype)
                     with tf.name_scope(f"{graph.op_name(v)}/{self.get_name()}/"):
                         accs.append(self._own_variable("acc_grad", tf.zeros(v.shape, dtype), v, slot=("acc_grad", i)))
                         tracker = None
@@ -228,9 +242,17 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
                         "mini_step", tf.constant(core.UNKNOWN_POSITION, tf.int64), first
                     )
                     window_weight = self._own_variable("window_weight", tf.zeros([], tf.float32), first)
+                    # The skip counters (a skipping policy) and, for a
+                    # schedule, the updates taken (what picks the window's
+                    # N: TF1 optimizers count no updates of their own).
+                    extra = {
+                        name: self._own_variable(name, tf.zeros([], tf.int64), first)
+                        for name in dict.fromkeys(core.skip_counters(self.nonfinite) + self._rules().needs())
+                    }
                 state = core.WindowState(
                     accs, micro_steps, received, mini_step, window_weight,
                     touched_rows=trackers if any(t is not None for t in trackers) else None,
+                    variable_dtypes=[v.dtype.base_dtype for v in var_list], **extra,
                 )
                 # The slots the inner optimizer's `apply_gradients` would
                 # create (it does so under `init_scope` too), made now: in
@@ -270,6 +292,10 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
         is built there, or for ``gradient_accumulation_steps == 1``."""
         window = self._window()
         return None if window is None or window.state is None else window.state.mini_step
+
+    skipped_micro_steps = graph.state_property("skipped_micro_steps", "non-finite micro-steps dropped")
+    skipped_windows = graph.state_property("skipped_windows", 'windows discarded by ``"skip_window"``')
+    updates = graph.state_property("updates", "updates taken (flushes included), what picks a schedule's N")
 
     @property
     def window_weight(self) -> Any:
@@ -350,6 +376,8 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
                         children[f"touched_rows_{i}"] = tracker
                 children["mini_step"] = window.state.mini_step
                 children["window_weight"] = window.state.window_weight
+                for name, variable in window.extra_variables().items():
+                    children[name] = variable
         return children
 
     # ------------------------------------------------------------ micro-step
@@ -431,7 +459,7 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
         if not with_grad:
             names = [v.name for _, v in pairs]
             raise ValueError(f"No gradients provided for any variable: {names}.")
-        if self.gradient_accumulation_steps == 1:
+        if not _args.accumulates(self.gradient_accumulation_steps, self.nonfinite):
             return self._pass_through(pairs, global_step, name, weight)
 
         window = self._window()
@@ -442,7 +470,7 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
             )
         unknown = [v.name for _, v in with_grad if v.ref() not in window.index]
         if unknown:
-            raise ValueError(self._unknown_message(unknown, window))
+            raise ValueError(graph.unknown_message(self.get_name(), unknown, window))
         if window.global_step is None:
             window.global_step = global_step
         # Build order; variables without a gradient here get None.
@@ -471,14 +499,20 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
         return train_op
 
     def _rules(self) -> core.Rules:
-        return core.Rules(self.gradient_accumulation_steps, self.reduction)
+        return core.Rules(self.gradient_accumulation_steps, self.reduction, self.nonfinite)
 
     def _inner_update(self, window: graph.Window, global_step: Any) -> Any:
         def apply_inner(window_grads: list, gates: dict) -> Any:
-            with self._gate_inner_updates(gates, window.variables):
-                return self._inner.apply_gradients(
+            with graph.gated(self._inner, gates, window.variables):
+                applied = self._inner.apply_gradients(
                     list(zip(window_grads, window.variables)), global_step=global_step
                 )
+            updates = window.state.updates
+            if updates is None:
+                return applied
+            # The schedule's update count moves with the inner update.
+            with tf.control_dependencies([] if applied is None else [applied]):
+                return updates.assign_add(tf.constant(1, tf.int64), read_value=False)
 
         return apply_inner
 
@@ -560,40 +594,3 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
             train_op = tf.group(*control_inputs(done), name=scope)
         graph.collection_restore(train_ops, train_op)
         return train_op
-
-    @contextlib.contextmanager
-    def _gate_inner_updates(self, gates: dict, variables: list):
-        """Skip, per variable, the inner update of variables without a
-        gradient in the window.
-
-        ``gates`` (from :func:`accum_optimizer.core.micro_step`) maps each
-        variable without a gradient on this micro-step to a boolean that is
-        true iff it had one earlier in the window (another train op gave it
-        one). For those, the inner optimizer's per-variable update methods and
-        the variable's constraint run under a ``tf.cond`` on it; ``_finish``
-        (Adam's beta powers) and ``global_step`` move once per update, as in
-        the large-batch reference.
-        """
-        if not gates:
-            yield
-            return
-        remove = compat.gate_constraints(
-            variables, gates, [compat.tf1_install_gates(self._inner, {id(variables[i]): g for i, g in gates.items()})]
-        )
-        try:
-            yield
-        finally:
-            remove()
-
-    def _unknown_message(self, unknown: list, window: graph.Window) -> str:
-        return (
-            f"AccumulatingOptimizer '{self.get_name()}' was built for "
-            f"{len(window.variables)} variables ({[v.name for v in window.variables]}) "
-            f"and got gradients for others: {unknown}. All train ops of one "
-            "AccumulatingOptimizer share one window, so its update must know "
-            "every variable: call opt.build(<union of the var_lists>) before "
-            "the first minimize/apply_gradients, or use one "
-            "AccumulatingOptimizer per train op (separate windows)."
-        )
-
-

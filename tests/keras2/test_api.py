@@ -158,13 +158,14 @@ def test_missing_required_arguments_are_named():
         keras2_family.AccumulatingOptimizer(gradient_accumulation_steps=2)
 
 
-def test_numerics_arguments_of_the_keras3_family_accept_only_their_defaults():
-    opt = AccumulatingOptimizer(o.SGD(), 2, nonfinite="propagate", accumulator_dtype=None)
+def test_numerics_arguments_of_the_keras3_family_are_kept():
+    """``nonfinite`` and ``accumulator_dtype`` are the Keras 3 family's
+    (their behaviour: tests/contract/test_nonfinite.py)."""
+    opt = AccumulatingOptimizer(o.SGD(), 2, nonfinite="skip_window", accumulator_dtype="float64")
     assert type(opt) is keras2_family.AccumulatingOptimizer
-    with pytest.raises(ValueError, match=_all_of("nonfinite='skip_window'", "not supported", "'propagate'")):
-        AccumulatingOptimizer(o.SGD(), 2, nonfinite="skip_window")
-    with pytest.raises(ValueError, match=_all_of("`accumulator_dtype`", "accumulator_dtype='float32'", "None")):
-        AccumulatingOptimizer(o.SGD(), 2, accumulator_dtype="float32")
+    assert (opt.nonfinite, opt.accumulator_dtype) == ("skip_window", "float64")
+    with pytest.raises(ValueError, match=_all_of("`nonfinite` must be one of", "nonfinite='skip'")):
+        AccumulatingOptimizer(o.SGD(), 2, nonfinite="skip")
 
 
 def _one_good_micro_step():

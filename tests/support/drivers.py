@@ -45,6 +45,8 @@ from support.arrays import max_abs_diff, trajectory_diff
 #: family) joins where its optimizers have the property.
 FAMILIES = ("keras3", "keras2", "legacy", "tf1")
 TOL = 1e-5
+#: The counters of the non-finite skipping policies (where the wrapper keeps them).
+SKIP_COUNTERS = ("skipped_micro_steps", "skipped_windows")
 
 # The missing-gradient pattern: which micro-steps of each window (N = 4) use
 # branch b of ``y = a(x) + b(x)``. Window 0: never (b must not move: no
@@ -680,15 +682,20 @@ class KerasDriver(Driver):
         raise ValueError(spec)
 
     def trainer(self, inner: Inner, n=None, seed: int = 0, reduction: str = "mean", weighted: bool = False,
-                mode: str = "graph", strategy=None) -> "KerasTrainer":
-        return KerasTrainer(self, inner, n, seed, reduction, mode, strategy)
+                mode: str = "graph", strategy=None, **options) -> "KerasTrainer":
+        """``options``: more arguments of the AccumulatingOptimizer
+        (``nonfinite=``, ``accumulator_dtype=``)."""
+        return KerasTrainer(self, inner, n, seed, reduction, mode, strategy, options)
 
-    def variable(self, value):
-        new = self.keras.Variable if self.family == "keras3" else tf.Variable
-        return new(np.array(value, "float32"))
+    def variable(self, value, dtype="float32"):
+        if self.family == "keras3":
+            return self.keras.Variable(np.array(value, "float32"), dtype=dtype)
+        return tf.Variable(np.array(value, dtype))
 
-    def vectors(self, inits: list, inner: Inner, n, reduction: str = "mean", traced: bool = False) -> "KerasVectors":
-        return KerasVectors(self, inits, inner, n, reduction, traced)
+    def vectors(self, inits: list, inner: Inner, n, reduction: str = "mean", traced: bool = False,
+                dtype: str = "float32", **options) -> "KerasVectors":
+        """``dtype``: of the variables and gradients; ``options``: as for :meth:`trainer`."""
+        return KerasVectors(self, inits, inner, n, reduction, traced, dtype, options)
 
     def modes(self) -> list:
         return ["graph"]
@@ -714,7 +721,7 @@ class KerasTrainer:
     micro-batch's mean squared error, applied with ``weight`` if given.
     Traced steps take any batch size (one trace per kind of call)."""
 
-    def __init__(self, d: KerasDriver, inner: Inner, n, seed, reduction, mode, strategy):
+    def __init__(self, d: KerasDriver, inner: Inner, n, seed, reduction, mode, strategy, options=None):
         from accum_optimizer import AccumulatingOptimizer
 
         self.d, self.n, self.strategy = d, n, strategy
@@ -722,7 +729,8 @@ class KerasTrainer:
         with scope:
             self.model = d.R.make_mlp(seed)
             self.inner = d.make_inner(inner)
-            self.opt = self.inner if n is None else AccumulatingOptimizer(self.inner, n, reduction=reduction)
+            self.opt = self.inner if n is None else AccumulatingOptimizer(
+                self.inner, n, reduction=reduction, **(options or {}))
         model, opt, mse = self.model, self.opt, d.R.mse
 
         def step(x, y, weight=None):
@@ -801,6 +809,9 @@ class KerasTrainer:
             if opt.mini_step is not None:
                 out["mini_step"] = int(opt.mini_step.numpy())
                 out["window_weight"] = float(opt.window_weight.numpy())
+            for name in SKIP_COUNTERS:
+                if getattr(opt, name, None) is not None:
+                    out[name] = int(getattr(opt, name).numpy())
         return out
 
     def acc_grads(self) -> list:
@@ -864,11 +875,12 @@ class KerasVectors:
     ``weight``. ``traced``: the micro-step is a ``tf.function`` whose weight is
     a runtime tensor."""
 
-    def __init__(self, d: KerasDriver, inits, inner: Inner, n, reduction, traced):
+    def __init__(self, d: KerasDriver, inits, inner: Inner, n, reduction, traced, dtype="float32", options=None):
         from accum_optimizer import AccumulatingOptimizer
 
-        self.variables = [d.variable(v) for v in inits]
-        self.opt = AccumulatingOptimizer(d.make_inner(inner), n, reduction=reduction)
+        self.dtype = dtype
+        self.variables = [d.variable(v, dtype) for v in inits]
+        self.opt = AccumulatingOptimizer(d.make_inner(inner), n, reduction=reduction, **(options or {}))
         self.traced = traced
         self._fns = {}
 
@@ -876,7 +888,7 @@ class KerasVectors:
         """One micro-step (``at_build``: the same here; eager code has no
         build time apart from the call)."""
         pairs_of = lambda gs: list(zip(gs, self.variables))  # noqa: E731
-        grads = [None if g is None else tf.constant(np.array(g, "float32")) for g in grads]
+        grads = [None if g is None else tf.constant(np.array(g, "float32"), self.dtype) for g in grads]
         if not self.traced:
             if weight is None:
                 self.opt.apply_gradients(pairs_of(grads))
@@ -889,7 +901,7 @@ class KerasVectors:
                 self.opt.apply_gradients(pairs_of([None if m else g for g, m in zip(gs, key)]), weight=w)
 
             self._fns[key] = tf.function(fn)
-        present = [tf.zeros([2]) if g is None else g for g in grads]
+        present = [tf.zeros([2], self.dtype) if g is None else g for g in grads]
         self._fns[key](present, tf.constant(1.0 if weight is None else weight, tf.float32))
 
     def build(self):
@@ -911,13 +923,21 @@ class KerasVectors:
 
         # Before the first micro-step builds it, Keras 2's wrapper has no
         # micro_steps/mini_step/window_weight attribute (Keras 3's: None).
-        return {"iterations": int(opt.iterations.numpy()),
-                "micro_steps": value(getattr(opt, "micro_steps", None), int),
-                "mini_step": value(getattr(opt, "mini_step", None), int),
-                "window_weight": value(getattr(opt, "window_weight", None), float)}
+        out = {"iterations": int(opt.iterations.numpy()),
+               "micro_steps": value(getattr(opt, "micro_steps", None), int),
+               "mini_step": value(getattr(opt, "mini_step", None), int),
+               "window_weight": value(getattr(opt, "window_weight", None), float)}
+        for name in SKIP_COUNTERS:
+            if getattr(opt, name, None) is not None:
+                out[name] = int(getattr(opt, name).numpy())
+        return out
 
     def acc_grads(self) -> list:
         return [np.array(a.numpy()) for a in self.opt.acc_grads]
+
+    def acc_dtypes(self) -> list:
+        """The accumulators' dtypes, as names (``"float32"``)."""
+        return [tf.as_dtype(a.dtype).name for a in self.opt.acc_grads]
 
 
 def _tfa():
@@ -1105,12 +1125,13 @@ class TF1Driver(Driver):
     def modes(self):
         return ["v2", "v1"]
 
-    def trainer(self, inner: Inner, n=None, seed=0, reduction="mean", weighted=False, mode="v2", strategy=None):
+    def trainer(self, inner: Inner, n=None, seed=0, reduction="mean", weighted=False, mode="v2", strategy=None,
+                **options):
         assert strategy is None
-        return TF1Trainer(self, inner, n, seed, reduction, weighted, mode)
+        return TF1Trainer(self, inner, n, seed, reduction, weighted, mode, options)
 
-    def vectors(self, inits, inner: Inner, n, reduction="mean", traced=False):
-        return TF1Vectors(self, inits, inner, n, reduction)
+    def vectors(self, inits, inner: Inner, n, reduction="mean", traced=False, dtype="float32", **options):
+        return TF1Vectors(self, inits, inner, n, reduction, dtype, options)
 
     def make_inner(self, spec: Inner):
         tf1 = tf.compat.v1
@@ -1139,7 +1160,7 @@ class TF1Trainer:
     (``minimize(..., weight=<placeholder>)`` if ``weighted``) and, when
     accumulating, the flush op."""
 
-    def __init__(self, d: TF1Driver, inner: Inner, n, seed, reduction, weighted, mode):
+    def __init__(self, d: TF1Driver, inner: Inner, n, seed, reduction, weighted, mode, options=None):
         tf1 = tf.compat.v1
         from accum_optimizer.families.tf1 import AccumulatingOptimizer
 
@@ -1155,9 +1176,9 @@ class TF1Trainer:
                 self.opt = self.inner
                 self.train_op = self.inner.minimize(self.mlp.loss, global_step=self.global_step)
             else:
-                self.opt = AccumulatingOptimizer(self.inner, n, reduction=reduction)
+                self.opt = AccumulatingOptimizer(self.inner, n, reduction=reduction, **(options or {}))
                 self.train_op = self.opt.minimize(self.mlp.loss, global_step=self.global_step, weight=self.weight)
-                self.flush_op = self.opt.flush() if n > 1 else None
+                self.flush_op = self.opt.flush() if self.opt.mini_step is not None else None
             init = tf1.global_variables_initializer()
         self.sess = tf1.Session(graph=self.graph)
         self.sess.run(init)
@@ -1207,6 +1228,9 @@ class TF1Trainer:
                 if opt.mini_step is not None:
                     out["mini_step"] = int(self.sess.run(opt.mini_step))
                     out["window_weight"] = float(self.sess.run(opt.window_weight))
+                for name in SKIP_COUNTERS:
+                    if getattr(opt, name, None) is not None:
+                        out[name] = int(self.sess.run(getattr(opt, name)))
         return out
 
     def acc_grads(self) -> list:
@@ -1254,19 +1278,19 @@ class TF1Vectors:
     one train op per set of variables that have a gradient (the one with all
     of them built first: it builds the window), and the flush op."""
 
-    def __init__(self, d: TF1Driver, inits, inner: Inner, n, reduction):
+    def __init__(self, d: TF1Driver, inits, inner: Inner, n, reduction, dtype="float32", options=None):
         import itertools
 
         tf1 = tf.compat.v1
         from accum_optimizer.families.tf1 import AccumulatingOptimizer
 
-        self.graph = tf.Graph()
+        self.graph, self.dtype = tf.Graph(), dtype
         with self.graph.as_default():
-            self.variables = [tf1.Variable(np.array(v, "float32"), name=f"v{i}") for i, v in enumerate(inits)]
+            self.variables = [tf1.Variable(np.array(v, dtype), name=f"v{i}") for i, v in enumerate(inits)]
             self.global_step = tf1.train.get_or_create_global_step()
-            self.grads = [tf1.placeholder(tf.float32, v.shape, name=f"g{i}") for i, v in enumerate(self.variables)]
+            self.grads = [tf1.placeholder(dtype, v.shape, name=f"g{i}") for i, v in enumerate(self.variables)]
             self.weight = tf1.placeholder_with_default(1.0, [], name="weight")
-            self.opt = AccumulatingOptimizer(d.make_inner(inner), n, reduction=reduction)
+            self.opt = AccumulatingOptimizer(d.make_inner(inner), n, reduction=reduction, **(options or {}))
             self.ops = {}
             k = len(self.variables)
             masks = [m for r in range(k, 0, -1) for m in itertools.combinations(range(k), r)]
@@ -1287,11 +1311,11 @@ class TF1Vectors:
         if at_build:
             with self.graph.as_default():
                 op = self.opt.apply_gradients(
-                    [(None if g is None else tf.constant(np.array(g, "float32")), v)
+                    [(None if g is None else tf.constant(np.array(g, self.dtype)), v)
                      for g, v in zip(grads, self.variables)], global_step=self.global_step, weight=weight)
             self.sess.run(op)
             return
-        feed = {self.grads[i]: np.array(grads[i], "float32") for i in mask}
+        feed = {self.grads[i]: np.array(grads[i], self.dtype) for i in mask}
         if weight is not None:
             feed[self.weight] = weight
         self.sess.run(self.ops[mask], feed)
@@ -1309,9 +1333,17 @@ class TF1Vectors:
         with self.graph.as_default():  # the wrapper's state is per graph
             o = self.opt
             it, ms, mini, ww = self.sess.run([self.global_step, o.micro_steps, o.mini_step, o.window_weight])
-        return {"iterations": int(it), "micro_steps": int(ms), "mini_step": int(mini), "window_weight": float(ww)}
+            out = {"iterations": int(it), "micro_steps": int(ms), "mini_step": int(mini), "window_weight": float(ww)}
+            for name in SKIP_COUNTERS:
+                if getattr(o, name, None) is not None:
+                    out[name] = int(self.sess.run(getattr(o, name)))
+        return out
 
     def acc_grads(self) -> list:
         with self.graph.as_default():
             return self.sess.run([self.opt.get_slot(v, "acc_grad") for v in self.variables])
+
+    def acc_dtypes(self) -> list:
+        with self.graph.as_default():
+            return [self.opt.get_slot(v, "acc_grad").dtype.base_dtype.name for v in self.variables]
 
