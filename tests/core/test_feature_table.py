@@ -51,3 +51,10 @@ def test_the_check_fails_on_an_unbacked_claim(tmp_path):
     partial.write_text("\n".join(sorted(lines - {f"{family} tests/{ref}"})))
     assert features.unbacked(set(partial.read_text().split("\n"))) == [(family, ref)]
     assert features.main(["--check", str(partial)]) == 1
+
+
+def test_no_cell_is_missing():
+    """Issue 17: every feature in every family where the framework has it."""
+    missing = [(feature.name, f) for feature in features.FEATURES for f, cell in feature.cells.items()
+               if isinstance(cell, features.Missing)]
+    assert missing == []

@@ -93,22 +93,13 @@ FEATURES = [
         "tf1": NO_FIT,
     }),
     Feature("accumulation schedules (dict / callable)", {
-        "keras3": "contract/test_schedules.py::test_dict_schedule_equals_growing_large_batches",
-        "keras2": "contract/test_schedules.py::test_dict_schedule_equals_growing_large_batches",
-        "legacy": "contract/test_schedules.py::test_dict_schedule_equals_growing_large_batches",
-        "tf1": Missing("refused"),
+        **_contract("test_schedules.py", "test_dict_schedule_equals_growing_large_batches"),
     }),
     Feature("`nonfinite` policies (`skip_micro_step`, `skip_window`)", {
-        "keras3": "keras3/test_mixed_precision.py::test_nonfinite_micro_batch_follows_the_policy",
-        "keras2": Missing("refused"),
-        "legacy": Missing("refused"),
-        "tf1": Missing("refused"),
+        **_contract("test_nonfinite.py", "test_skip_micro_step_equals_the_large_batch_of_the_finite_micro_batches"),
     }),
     Feature("`accumulator_dtype` (float32 accumulators for 16-bit variables)", {
-        "keras3": "keras3/test_mixed_precision.py::test_512_bfloat16_gradients_of_one_sum_to_512_in_the_default_accumulator",
-        "keras2": Missing("refused"),
-        "legacy": Missing("refused"),
-        "tf1": Missing("refused"),
+        **_contract("test_nonfinite.py", "test_float16_variables_accumulate_in_float32_and_cast_once_per_update"),
     }),
     Feature("sparse windows (embeddings: scatter-add, never dense)", {
         "keras3": "keras3/test_sparse.py::test_micro_step_graph_scatter_adds_and_never_densifies_a_large_table",
