@@ -19,6 +19,7 @@ import tensorflow as tf
 from accum_optimizer import AccumulatingOptimizer
 from support.arrays import assert_bitwise_equal, max_abs_diff, trajectory_diff
 from support.drivers import FAMILIES, Inner, NotApplicable, assert_matches_large_batch, driver, params
+from support.schedules import GrowingWindows, registered
 
 ALL = FAMILIES + ("tfa",)
 TOL = 1e-6  # float32 rounding of a few updates
@@ -139,27 +140,8 @@ def test_schedule_config_round_trips_through_json(family, case):
         fn.get_config()
 
 
-class GrowingWindows:
-    """A schedule object the way Keras' ``LearningRateSchedule``s are written:
-    ``N(u) = min(u // 2 + 1, cap)`` (windows of 1, 1, 2, 2, 3, 3, ... for cap 3),
-    with ``get_config``/``from_config``; registered per Keras package below."""
-
-    def __init__(self, cap):
-        self.cap = cap
-
-    def __call__(self, update):
-        return tf.minimum(update // 2 + 1, tf.constant(self.cap, tf.int64))
-
-    def get_config(self):
-        return {"cap": self.cap}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-
 class Unregistered(GrowingWindows):
-    """Never registered (its base is, by the test above)."""
+    """Never registered (its base may be: registration is per class)."""
 
 
 class Unconfigurable:
@@ -170,10 +152,6 @@ class Unconfigurable:
         return tf.constant(2, tf.int64)
 
 
-def _registered(d, cls):
-    return d.keras.saving.register_keras_serializable(package="test_schedules")(cls)
-
-
 @pytest.mark.windows
 @pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
 def test_registered_schedule_object_round_trips_and_resumes_bitwise(family, case, tmp_path):
@@ -182,7 +160,7 @@ def test_registered_schedule_object_round_trips_and_resumes_bitwise(family, case
     training resumed mid-window (the state saved, a fresh optimizer rebuilt
     from the JSON config) continues bitwise like the uninterrupted run."""
     d = driver(family)
-    cls = _registered(d, GrowingWindows)
+    cls = registered(d.keras)
     opt = AccumulatingOptimizer(d.make_inner(Inner("sgd", 0.1)), gradient_accumulation_steps=cls(3))
     config = json.loads(json.dumps(opt.get_config()))
     again = type(opt).from_config(config)

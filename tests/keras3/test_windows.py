@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from accum_optimizer import AccumulatingOptimizer, CountedLoss, FlushPartialWindow
 from support.reference import make_data, make_mlp, max_abs_diff, weights
+from support.schedules import registered
 
 TOL = 1e-6
 
@@ -418,31 +419,13 @@ def test_registered_callable_schedule_round_trips():
     assert again.gradient_accumulation_steps is doubling
 
 
-@keras.saving.register_keras_serializable(package="test_windows")
-class GrowingWindows:
-    """A schedule object written as Keras' learning-rate schedules are:
-    ``N(u) = min(u // 2 + 1, cap)``, with ``get_config``/``from_config``."""
-
-    def __init__(self, cap):
-        self.cap = cap
-
-    def __call__(self, update):
-        return tf.minimum(update // 2 + 1, tf.constant(self.cap, tf.int64))
-
-    def get_config(self):
-        return {"cap": self.cap}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-
 def test_schedule_object_survives_a_keras_file_and_resumes_bitwise(tmp_path):
     """``model.save(".keras")`` mid-window (windows of 1, 1, 2, 2, 3: saved
     after 6 micro-batches, one into the fifth window) and ``load_model``:
     the optimizer comes back with an equal schedule object, and ``fit`` on the
     remaining 3 micro-batches ends bitwise where the uninterrupted ``fit``
     on all 9 does."""
+    GrowingWindows = registered(keras)
     b = 2
     x, y = make_data(9 * b)
 
