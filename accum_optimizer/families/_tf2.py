@@ -497,6 +497,13 @@ _REFUSED_STRATEGIES = {
 
 
 # ---------------------------------------------------------------- saving
+def build_for_loading(model: Any) -> None:
+    """Build ``model``'s optimizer for ``model.load_weights`` as its first
+    train step would: the state loaded is then restored at once."""
+    with model.distribute_strategy.scope(), outside_functions():
+        model.optimizer.build(model.trainable_variables)
+
+
 def saved_layout(variables: Sequence[Any], blocks: Sequence[Sequence[Any]], saved: Sequence[Any]) -> list:
     """The variables that the ``saved`` arrays fill, in order: ``variables``,
     or the layout of a save by an older version or another configuration,
@@ -560,16 +567,10 @@ def assign_all(variables: Sequence[Any], weights: Sequence[Any], name_of: Callab
 # --------------------------------------------------------- serialization
 def serialize_schedule(package: Any, steps: Any) -> Any:
     """``gradient_accumulation_steps`` for ``get_config``: an int or a dict
-    as is (JSON turns its keys into strings, which the constructor accepts);
-    a callable only if registered with ``package`` (a Keras package's
-    ``saving.register_keras_serializable``): a function, or an object of a
-    class with ``get_config``/``from_config`` (as Keras' learning-rate
-    schedules are written).
-
-    Raises:
-        ValueError: an unregistered callable; an object without
-            ``get_config``/``from_config``.
-    """
+    as is (JSON makes its keys strings, which the constructor accepts); a
+    callable registered with ``package`` (``saving.register_keras_serializable``):
+    a function, or an object of a class with ``get_config``/``from_config``.
+    ValueError for any other callable."""
     if isinstance(steps, (int, dict)):
         return steps
     function = inspect.isroutine(steps)
@@ -582,9 +583,8 @@ def serialize_schedule(package: Any, steps: Any) -> Any:
         return package.saving.serialize_keras_object(steps)
     raise ValueError(
         f"Cannot serialize AccumulatingOptimizer: its gradient_accumulation_steps is {steps!r}, {problem}. "
-        "Accepted: an int, a dict schedule {first_update: N, ...} (serialized as is), or a function or "
-        f"a class with get_config() and from_config() registered with @{package.__name__}.saving."
-        "register_keras_serializable()."
+        "Accepted: an int, a dict schedule {first_update: N, ...} (serialized as is), or a function or a class "
+        f"with get_config() and from_config() registered with @{package.__name__}.saving.register_keras_serializable()."
     )
 
 
