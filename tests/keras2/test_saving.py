@@ -18,7 +18,7 @@ format                                 plain      AccumulatingOptimizer
 ``model.save("m.keras")``              kept       kept
 ``model.save("m.h5")``                 kept       kept
 ``model.save("dir")`` (SavedModel)     dropped    dropped; wrapper rebuilt, same config
-``save_weights("w.weights.h5")``       kept [1]_  kept (restored when it builds)
+``save_weights("w.weights.h5")``       kept [1]_  kept (load_weights builds, restores)
 ``save_weights("ckpt")`` (TF format)   kept       kept
 ``save_weights("w.h5")``               dropped    dropped (model weights only)
 ``tf.train.Checkpoint``                kept       kept
