@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable
 
 from accum_optimizer import _packages
@@ -107,3 +108,20 @@ def message(entry: Private, package: Any, error: Exception | None = None) -> str
         f"have or has changed{detail}. It was checked on {entry.checked}. Use one of those "
         "versions, or report this at the accum_optimizer issue tracker."
     )
+
+
+def model_up_the_stack(optimizer: Any, model_class: type) -> Any:
+    """The built ``model_class`` instance held in a frame up the stack (Keras'
+    loader: ``model.load_weights``, ``saving_lib._load_state(model, ...)``)
+    whose ``optimizer`` is ``optimizer`` or wraps it (a
+    ``LossScaleOptimizer``'s ``inner_optimizer``), or ``None``. Only through
+    a package module's declared record (``MODEL_BEING_LOADED``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, model_class) and getattr(value, "built", False):
+                outer = getattr(value, "optimizer", None)
+                if outer is optimizer or getattr(outer, "inner_optimizer", None) is optimizer:
+                    return value
+        frame = frame.f_back
+    return None

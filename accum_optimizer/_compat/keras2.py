@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from accum_optimizer._compat import attributes, private, require
+from accum_optimizer._compat import attributes, model_up_the_stack, private, require
 from accum_optimizer._compat import tf as tf_compat
 
 CHECKED = "tf_keras 2.21 (TF 2.21), Keras 2.15 (TF 2.15.1)"
@@ -88,6 +88,25 @@ def _package_of(optimizer: Any) -> Any:
         if top is not None and top.__name__ in ("tf_keras", "keras") and str(getattr(top, "__version__", "")).startswith("2."):
             return top
     return sys.modules.get("tf_keras") or sys.modules.get("keras")
+
+
+MODEL_BEING_LOADED = private(
+    "sys._getframe (the model whose weights <keras2>.saving is loading)",
+    "tf_keras",
+    "model.load_weights (.weights.h5, .keras) calls optimizer.load_own_variables(store) and nothing "
+    "tells the optimizer its model: one not built yet is built with that model's trainable "
+    "variables, as the first train step would, so that the state is restored at load",
+    CHECKED,
+    lambda p: sys._getframe and p.Model.load_weights,
+)
+
+
+def model_being_loaded(optimizer: Any, package: Any) -> Any:
+    """The built ``package.Model`` whose weights are being loaded, with
+    ``optimizer`` (or a ``LossScaleOptimizer`` around it) as its optimizer,
+    or ``None``."""
+    require(MODEL_BEING_LOADED, package)
+    return model_up_the_stack(optimizer, package.Model)
 
 
 class NewOptimizerHooks:

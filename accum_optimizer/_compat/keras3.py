@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import keras
 
-from accum_optimizer._compat import private, require
+from accum_optimizer._compat import model_up_the_stack, private, require
 
 if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
     raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
@@ -351,3 +351,22 @@ def hidden_from_saving_walk(names: Sequence[str]) -> list:
     not follow (see :data:`SAVING_WALK`)."""
     return [a for a in names if a not in ("inner_optimizer", "outer_optimizer")]
 
+
+
+MODEL_BEING_LOADED = private(
+    "sys._getframe (the model whose weights keras.saving is loading)",
+    "keras",
+    "model.load_weights calls optimizer.load_own_variables(store) and nothing tells the optimizer "
+    "its model: one not built yet is built with that model's trainable variables, as Keras' first "
+    "train step would, so that the state is restored at load, not kept aside until the first step",
+    CHECKED,
+    lambda k: sys._getframe and k.Model.load_weights,
+)
+
+
+def model_being_loaded(optimizer: Any) -> Any:
+    """The built ``keras.Model`` whose weights are being loaded, with
+    ``optimizer`` (or a ``LossScaleOptimizer`` around it) as its optimizer,
+    or ``None``."""
+    require(MODEL_BEING_LOADED, keras)
+    return model_up_the_stack(optimizer, keras.Model)

@@ -25,6 +25,7 @@ saving. The algorithm is :mod:`accum_optimizer.core`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Any, Callable, Sequence
 
@@ -482,6 +483,13 @@ def outside_functions() -> Any:
 
 
 # ---------------------------------------------------------------- saving
+def build_for_loading(model: Any) -> None:
+    """Build ``model``'s optimizer for ``model.load_weights`` as its first
+    train step would: the state loaded is then restored at once."""
+    with model.distribute_strategy.scope(), outside_functions():
+        model.optimizer.build(model.trainable_variables)
+
+
 def saved_layout(variables: Sequence[Any], blocks: Sequence[Sequence[Any]], saved: Sequence[Any]) -> list:
     """The variables that the ``saved`` arrays fill, in order: ``variables``,
     or the layout of a save by an older version or another configuration,
@@ -545,24 +553,25 @@ def assign_all(variables: Sequence[Any], weights: Sequence[Any], name_of: Callab
 # --------------------------------------------------------- serialization
 def serialize_schedule(package: Any, steps: Any) -> Any:
     """``gradient_accumulation_steps`` for ``get_config``: an int or a dict
-    as is (JSON turns its keys into strings, which the constructor accepts),
-    a callable only if it is registered with ``package`` (a Keras package's
-    ``saving.register_keras_serializable``).
-
-    Raises:
-        ValueError: an unregistered callable.
-    """
+    as is (JSON makes its keys strings, which the constructor accepts); a
+    callable registered with ``package`` (``saving.register_keras_serializable``):
+    a function, or an object of a class with ``get_config``/``from_config``.
+    ValueError for any other callable."""
     if isinstance(steps, (int, dict)):
         return steps
-    name = package.saving.get_registered_name(steps)
-    if package.saving.get_registered_object(name) is not steps:
-        raise ValueError(
-            "Cannot serialize AccumulatingOptimizer: its gradient_accumulation_steps "
-            f"is the callable {steps!r}, which is not a registered Keras object. "
-            f"Register it with @{package.__name__}.saving.register_keras_serializable(), "
-            "or use a dict schedule {first_update: N, ...}, which serializes as is."
-        )
-    return package.saving.serialize_keras_object(steps)
+    function = inspect.isroutine(steps)
+    registered = steps if function else type(steps)  # an object: its class is registered
+    if not function and not (callable(getattr(steps, "get_config", None)) and hasattr(registered, "from_config")):
+        problem = "an object without get_config() and from_config(), which Keras cannot save"
+    elif package.saving.get_registered_object(package.saving.get_registered_name(registered)) is not registered:
+        problem = f"not a registered Keras object (its {'function' if function else 'class'} is not registered)"
+    else:
+        return package.saving.serialize_keras_object(steps)
+    raise ValueError(
+        f"Cannot serialize AccumulatingOptimizer: its gradient_accumulation_steps is {steps!r}, {problem}. "
+        "Accepted: an int, a dict schedule {first_update: N, ...} (serialized as is), or a function or a class "
+        f"with get_config() and from_config() registered with @{package.__name__}.saving.register_keras_serializable()."
+    )
 
 
 def deserialize_schedule(package: Any, config: dict, custom_objects: Any = None) -> dict:

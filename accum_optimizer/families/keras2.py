@@ -241,9 +241,12 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         """Restore state saved by ``save_own_variables`` (the ``.keras`` and
         ``.weights.h5`` formats).
 
-        On an optimizer that is not built yet the values are kept and
-        restored by :meth:`build` (Keras 2 itself would skip them with a
-        warning). An empty store (weights saved without optimizer state)
+        On an optimizer that is not built yet, loaded through its model
+        (``model.load_weights``), the optimizer is built first with the
+        model's trainable variables and the state restored at once; called
+        directly, with no model, the values are kept and restored by
+        :meth:`build`. (Keras 2 itself would skip them with a warning.) An
+        empty store (weights saved without optimizer state)
         restores nothing.
 
         Raises:
@@ -252,6 +255,10 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         if len(store.keys()) == 0:
             return
         if not self._window_built():
+            model = compat.model_being_loaded(self, self._keras)
+            if model is not None:  # model.load_weights: built now, as its first train step would
+                _tf2.build_for_loading(model)
+        if not self._window_built():  # called directly, with no model: restored when it builds
             self.__dict__["_deferred_state"] = {k: np.asarray(store[k]) for k in store.keys()}
             return
         saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]

@@ -123,9 +123,12 @@ class Keras3Saving:
     def load_own_variables(self, store: Mapping[str, Any]) -> None:
         """Restore state saved by :meth:`save_own_variables`.
 
-        On an optimizer that is not built yet the values are kept and
-        restored by :meth:`build` (Keras itself would skip them with a
-        warning). An empty store (weights saved without optimizer state)
+        On an optimizer that is not built yet, loaded through its model
+        (``model.load_weights``), the optimizer is built first with the
+        model's trainable variables (as the first train step would) and the
+        state restored at once; called directly, with no model, the values
+        are kept and restored by :meth:`build`. (Keras itself would skip
+        them with a warning.) An empty store (weights saved without optimizer state)
         restores nothing. State saved without the variables of the skipping
         policies, the window's position or the row trackers (older versions,
         another policy) loads too (see :func:`_tf2.saved_layout`). The state
@@ -141,6 +144,10 @@ class Keras3Saving:
         if not own_keys:
             return  # weights saved without optimizer state: nothing to restore
         if not self.built:
+            model = compat.model_being_loaded(self)
+            if model is not None:  # model.load_weights: built now, as its first train step would
+                _tf2.build_for_loading(model)
+        if not self.built:  # called directly, with no model: restored when it builds
             self.__dict__["_deferred_state"] = {k: np.asarray(store[k]) for k in keys}
             self._restore_counters(self._deferred_state)
             return

@@ -190,8 +190,8 @@ def _resume_tf1(R, case: dict, fmt: str, path: str) -> tuple[dict | None, dict]:
 
 
 # Keras 3 skips an unbuilt LossScaleOptimizer's state in load_weights, with
-# this warning; the wrapper saved it with its own and restores it when they
-# build (the keras3-mixed-float16 case checks that it does).
+# this warning; the wrapper saved it with its own and restores it when it
+# builds them, at the load (the keras3-mixed-float16 case checks that it does).
 @pytest.mark.filterwarnings("ignore:Skipping variable loading for optimizer 'loss_scale_optimizer'")
 @pytest.mark.parametrize("case, fmt", _params())
 def test_resumes_saved_checkpoint_bitwise(case, fmt):

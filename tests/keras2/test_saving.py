@@ -18,7 +18,7 @@ format                                 plain      AccumulatingOptimizer
 ``model.save("m.keras")``              kept       kept
 ``model.save("m.h5")``                 kept       kept
 ``model.save("dir")`` (SavedModel)     dropped    dropped; wrapper rebuilt, same config
-``save_weights("w.weights.h5")``       kept [1]_  kept (restored when it builds)
+``save_weights("w.weights.h5")``       kept [1]_  kept (load_weights builds, restores)
 ``save_weights("ckpt")`` (TF format)   kept       kept
 ``save_weights("w.h5")``               dropped    dropped (model weights only)
 ``tf.train.Checkpoint``                kept       kept
@@ -183,9 +183,9 @@ def runs(tmp_path_factory):
 def test_resume_mid_window_is_bitwise_identical(runs, fmt):
     model = load(fmt, os.path.join(runs.dir, PATHS[fmt]))
     assert isinstance(model.optimizer, AccumulatingOptimizer)
-    if fmt in ("keras", "h5"):  # load_model builds the optimizer and restores it
+    if fmt in ("keras", "h5", "weights_h5"):  # load_model, load_weights build the optimizer and restore it
         assert_same_state(state_of(model), runs.at_save)
-    else:  # restored when the unbuilt optimizer builds, in the first step
+    else:  # TF checkpoints: TF restores the unbuilt optimizer's variables as the first step creates them
         assert not getattr(model.optimizer, "_built", False)
     fit(model, runs.x[SAVE_AT * B :], runs.y[SAVE_AT * B :])
     assert_same_state(state_of(model), runs.reference)

@@ -466,12 +466,12 @@ def test_counters_show_restored_values_before_the_first_step(tmp_path):
     opt = AccumulatingOptimizer(keras.optimizers.Adam(1e-2), N)
     fresh.compile(opt, "mse")
     fresh.load_weights(path)
-    assert not opt.built
+    assert opt.built  # by the load: the whole state is there before the first step
     # 10 micro-steps = 2 updates + 2 micro-steps into the third window.
     assert int(opt.iterations.numpy()) == 2
     assert int(opt.micro_steps.numpy()) == 10
-    # ... and the rest of the state arrives at build: training on equals
-    # uninterrupted training.
+    assert int(opt.mini_step.numpy()) == 2
+    # ... and training on equals uninterrupted training.
     fresh.fit(x[40:], y[40:], batch_size=4, epochs=1, verbose=0, shuffle=False)
     model.fit(x[40:], y[40:], batch_size=4, epochs=1, verbose=0, shuffle=False)
     assert max_abs_diff(weights(model), weights(fresh)) == 0.0

@@ -423,8 +423,9 @@ def test_resume_from_weights_into_a_fresh_model_restores_the_loss_scale(mp_fit_r
         # Keras itself skips the unbuilt LossScaleOptimizer's state ...
         assert any("Skipping variable loading for optimizer 'loss_scale_optimizer" in str(w.message)
                    for w in caught)
-        # ... the wrapper saved it with its own and restores it when they build.
-        model.optimizer.build(model.trainable_variables)
+        # ... the wrapper saved it with its own, builds both at load (as the
+        # first step would) and restores it at once.
+        assert model.optimizer.built
         assert_bitwise_equal(full_state(model), mp_fit_runs["at_save"])
         fit_rest(model, mp_fit_runs)
     assert_bitwise_equal(full_state(model), mp_fit_runs["reference"])

@@ -282,17 +282,20 @@ def test_resume_mid_window_from_model_checkpoint_weights_into_never_trained_mode
 ):
     model = compiled(seed=RESUME_SEED)  # compiled, never trained: optimizer unbuilt
     model.load_weights(fit_runs.weights_file)
-    assert not model.optimizer.built
+    assert model.optimizer.built  # built by the load, as the first step would
     fit(model, fit_runs.x[SAVE_AT * B :], fit_runs.y[SAVE_AT * B :])
     assert_same_state(state_of(model, model.optimizer), fit_runs.reference)
 
 
-def test_weights_loaded_into_unbuilt_optimizer_are_restored_when_it_builds(fit_runs):
+def test_weights_loaded_into_unbuilt_optimizer_are_restored_at_load(fit_runs):
+    """The optimizer is built by ``load_weights`` (with the model's
+    trainable variables, as the first step would) and holds the saved state
+    at once: nothing waits for the first step (issue 17, bug 3)."""
     model = compiled(seed=RESUME_SEED)
-    model.load_weights(fit_runs.weights_file)
     opt = model.optimizer
     assert not opt.built
-    opt.build(model.trainable_variables)
+    model.load_weights(fit_runs.weights_file)
+    assert opt.built
     restored = state_of(model, opt)
     assert_mid_window(restored)
     assert_same_state(restored, fit_runs.at_save)
@@ -312,12 +315,28 @@ def test_weights_loaded_into_built_optimizer_resume_mid_window_bitwise_identical
     assert_same_state(state_of(model, opt), loop_runs.reference)
 
 
+def test_load_weights_under_a_strategy_builds_the_optimizer_in_its_scope(loop_runs, strategy):
+    """``load_weights`` (outside the scope) into a model made under
+    MirroredStrategy builds the unbuilt optimizer under the model's strategy:
+    its variables are distributed as those built by a train step (replica-local
+    accumulators, mirrored inner state) and hold the saved values."""
+    with strategy.scope():
+        model, opt = make_mlp(RESUME_SEED), make_optimizer()
+        model.compile(optimizer=opt, loss="mse")
+        built_by_step = make_optimizer()
+        built_by_step.build(model.trainable_variables)
+    model.load_weights(loop_runs.weights_file)
+    assert opt.built
+    assert [type(v.value).__name__ for v in opt.variables] == [type(v.value).__name__ for v in built_by_step.variables]
+    assert {type(a.value).__name__ for a in opt.acc_grads} == {"SyncOnReadVariable"}
+    assert_same_state(state_of(model, opt), loop_runs.at_save)
+
+
 def test_resume_mid_window_from_save_weights_in_custom_loop_is_bitwise_identical(loop_runs):
     model, opt = make_mlp(RESUME_SEED), make_optimizer()
     model.compile(optimizer=opt, loss="mse")
     model.load_weights(loop_runs.weights_file)
-    assert not opt.built
-    # The first step builds the optimizer inside its tf.function.
+    assert opt.built  # by the load: the first step's tf.function finds it built
     run_steps(make_train_step(model, opt), loop_runs.x, loop_runs.y, SAVE_AT, TOTAL)
     assert_same_state(state_of(model, opt), loop_runs.reference)
 
@@ -466,10 +485,9 @@ def test_loading_state_of_a_different_optimizer_raises_value_error(fit_runs, whe
         sgd.build(model.trainable_variables)
         with pytest.raises(ValueError, match="variables"):
             model.load_weights(fit_runs.weights_file)
-    else:
-        model.load_weights(fit_runs.weights_file)
+    else:  # built by the load, which then fails at once
         with pytest.raises(ValueError, match="variables"):
-            sgd.build(model.trainable_variables)
+            model.load_weights(fit_runs.weights_file)
 
 
 def test_loading_weights_without_optimizer_state_keeps_a_fresh_optimizer(fit_runs, tmp_path):

@@ -305,7 +305,8 @@ def load(case: dict, fmt: str, path: str, objects: dict | None = None) -> tuple[
     """``(model, checkpoint status or None)``: ``load_model`` for the model
     formats (with ``objects`` as ``custom_objects``); otherwise a fresh model
     (other initial weights) compiled with a fresh, unbuilt optimizer, loaded
-    from ``path`` (restored when the optimizer builds, in the first
+    from ``path`` (``load_weights`` of a ``.weights.h5`` file builds it and
+    restores at once; checkpoints are restored when it builds, in the first
     micro-step). Imports ``accum_optimizer`` first, as a user must: that
     registers its classes with the active Keras."""
     import accum_optimizer  # noqa: F401
