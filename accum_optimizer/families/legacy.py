@@ -289,9 +289,11 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
         config = dict(config)
         inner = config.pop("inner_optimizer")
         if isinstance(inner, dict):
-            # deserialize lower-cases the class name in place: pass a copy.
+            # By its registered name (tfa's "Addons>AdamW"), which the .h5
+            # loader would not look up; a copy (deserialize edits it in place).
             inner = cls._keras.optimizers.deserialize(
-                copy.deepcopy(inner), custom_objects=custom_objects, use_legacy_optimizer=True
+                _keras2.by_registered_name(cls._keras, inner, custom_objects), custom_objects=custom_objects,
+                use_legacy_optimizer=True,
             )
         config = _tf2.deserialize_schedule(cls._keras, config, custom_objects)
         return cls(inner, **config)
