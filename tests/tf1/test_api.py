@@ -84,6 +84,33 @@ def test_state_is_non_trainable_global_and_made_at_graph_construction(mode):
         assert opt.get_slot(kernel, "m") is inner.get_slot(kernel, "m")
 
 
+@pytest.mark.parametrize("mode", ["v2", "v1", "eager"])
+def test_fresh_state_reads_as_a_fresh_optimizer_before_the_first_run(mode):
+    """A fresh optimizer's state, before any micro-step: every counter 0
+    (``micro_steps``, ``mini_step``, ``grad_received``, ``window_weight``) and
+    the accumulators 0, what a fresh optimizer holds (issue 17, bug 5: the
+    graph's ``mini_step`` read -1, the mark of state saved before it existed).
+    In a graph: after global_variables_initializer(); eagerly: after build()."""
+    init = mlp_init()
+    if mode == "eager":
+        variables = [tf.Variable(v, name=k) for k, v in init.items()]
+        opt = AccumulatingOptimizer(tf1.train.AdamOptimizer(0.01), 3)
+        opt.build(variables)
+        values = [v.numpy() for v in opt.accumulation_variables()]
+    else:
+        with control_flow(mode), tf.Graph().as_default(), tf1.Session() as sess:
+            mlp = build_mlp(init)
+            opt = AccumulatingOptimizer(tf1.train.AdamOptimizer(0.01), 3)
+            opt.minimize(mlp.loss, global_step=tf1.train.get_or_create_global_step())
+            sess.run(tf1.global_variables_initializer())
+            assert int(sess.run(opt.mini_step)) == 0
+            values = sess.run(opt.accumulation_variables())
+    names = ["micro_steps", "grad_received", "acc_grad kernel", "acc_grad bias", "mini_step", "window_weight"]
+    assert len(values) == len(names)
+    for name, value in zip(names, values):
+        np.testing.assert_array_equal(value, np.zeros_like(value), err_msg=name)
+
+
 # ----------------------------------------------------------------- eager
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_eager_minimize_with_a_loss_callable_matches_the_large_batch(traced):
