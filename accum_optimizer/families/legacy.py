@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from accum_optimizer import _args, core
 from accum_optimizer._compat import keras2 as compat
+from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families import _keras2, _tf2
 from accum_optimizer.families._tf import check_weight
 
@@ -64,7 +65,7 @@ def package_of(optimizer: Any) -> Any:
     return _keras2.package_of(optimizer, _base_of)
 
 
-class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulating):
+class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulating):
     """Accumulate gradients over micro-batches, update once per window
     (Keras 2 legacy ``OptimizerV2`` and tensorflow-addons).
 
@@ -97,9 +98,9 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
       survives a restore across replicas).
     * A variable with no gradient in the whole window gets no update, no tfa
       decoupled weight decay and no constraint.
-    * The inner optimizer's slots are its own (``opt.inner_optimizer.get_slot(
-      var, "m")``): forwarding them would save each one twice in a
-      ``tf.train.Checkpoint``.
+    * ``get_slot(var, "m")`` and ``get_slot_names()`` read the inner
+      optimizer's slots (the wrapper has none of its own); a
+      ``tf.train.Checkpoint`` saves them once, under the inner optimizer.
 
     State (saved wherever Keras 2 saves optimizer weights, in :attr:`weights`
     order): ``micro_steps``, ``grad_received``, the accumulators

@@ -27,7 +27,7 @@ from accum_optimizer.families._tf import check_weight, control_inputs
 tf1 = tf.compat.v1
 
 
-class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Optimizer):
+class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constructor, tf1.train.Optimizer):
     """Accumulate gradients over micro-batches, update once per window (TF1).
 
     ``opt.minimize(loss, global_step=global_step, var_list=...)`` (or
@@ -314,19 +314,19 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
     def get_slot(self, var: Any, name: str) -> Any:
         """``"acc_grad"`` / ``"touched_rows"``: the wrapper's accumulator / row
         tracker of ``var`` (``None`` if it has none); any other name: the
-        inner optimizer's slot (``"m"``, ``"momentum"``, ...).
+        inner optimizer's slot (``"m"``, ``"momentum"``, ...), as
+        :meth:`get_slot_names` lists them (the inner optimizer's names).
 
-        (``get_slot_names()`` lists none of them: ``tf.train.Checkpoint``
-        saves the slots it lists through the optimizer, and this wrapper's
-        state is saved as its own dependencies, the inner optimizer's by the
-        inner optimizer.)"""
+        (A ``tf.train.Checkpoint`` saves this wrapper's state as its own
+        dependencies and the inner optimizer's slots once, by the inner
+        optimizer.)"""
         if name in ("acc_grad", "touched_rows"):
             window = self._window()
             if window is None or window.state is None or var.ref() not in window.index:
                 return None
             i = window.index[var.ref()]
             return window.state.acc_grads[i] if name == "acc_grad" else window.state.rows_tracker(i)
-        return self._inner.get_slot(var, name)
+        return super().get_slot(var, name)
 
     def _checkpoint_children(self, children: dict) -> dict:
         """What ``tf.train.Checkpoint`` (eager) saves of this optimizer: the
