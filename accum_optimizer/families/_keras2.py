@@ -141,7 +141,9 @@ def wrapper_classes(
     family for one Keras 2 package, a subclass of ``mixins`` and
     ``base_of(package)``, registered with that package's
     ``register_keras_serializable(package="accum_optimizer", name=registered_name)``;
-    one class per package (cached)."""
+    one class per package (cached). ``wrapper_class.made()``: the classes
+    made so far (what ``isinstance(x, accum_optimizer.AccumulatingOptimizer)``
+    checks)."""
     cache: dict[str, type] = {}
 
     def wrapper_class(package: Any) -> type:
@@ -156,4 +158,5 @@ def wrapper_classes(
             cls = cache[package.__name__] = register(cls)
         return cls
 
+    wrapper_class.made = lambda: tuple(cache.values())  # type: ignore[attr-defined]
     return wrapper_class
