@@ -24,7 +24,8 @@ BENCH_ARGS ?= --quick
 BENCH_OUT  ?= bench_output
 SHELL := bash
 
-LEGS ?= k3 k3-oldest tfkeras tf215
+ALL_LEGS := k3 k3-oldest tfkeras tf215
+LEGS ?= $(ALL_LEGS)
 # `make test TEST_DOCS=` leaves the docs build out.
 TEST_DOCS ?= yes
 
@@ -89,8 +90,9 @@ PYTHON_tf215   := $(PYTHON)
 EXTRAS_tf215   := test,addons
 PINS_tf215     := tensorflow==2.15.1 tensorflow-addons==0.23.0 numpy<2
 ENV_tf215      :=
-# (The Keras 2 new API's window contract tests run in tfkeras, on tf_keras 2.21.)
-ARGS_tf215     := --leave-out keras2,windows
+# (The Keras 2 new API's window contract tests run in tfkeras, on tf_keras 2.21;
+# so do the Keras 2 families' multi-worker processes, keras2/test_multiworker.py.)
+ARGS_tf215     := --leave-out keras2,windows --leave-out multiworker
 
 .PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
 	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))
@@ -113,7 +115,7 @@ venv-$(1): $$(STAMP_$(1))
 test-$(1): $$(STAMP_$(1))
 	@echo "==== leg $(1): $$(PINS_$(1)) $$(ENV_$(1))"
 	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow $$(ENV_$(1)) \
-	  ACCUM_LEG=$(1) ACCUM_LEG_PINS='$$(PINS_$(1))' \
+	  ACCUM_LEG=$(1) ACCUM_LEG_PINS='$$(PINS_$(1))' ACCUM_PASSED_OUT=$(VENVS)/.passed-$(1).txt \
 	  $$(DIR_$(1))/bin/python -m pytest $$(ARGS_$(1)) $$(PYTEST_ARGS)
 endef
 $(foreach leg,$(LEGS),$(eval $(call LEG_RULES,$(leg))))
@@ -161,7 +163,7 @@ demo: $(STAMP_k3)
 ## hypothesis profile, then the docs build; fails if any leg (or the docs)
 ## fails, after running them all.
 test:
-	@mkdir -p $(VENVS); failed=0; summary=""; \
+	@mkdir -p $(VENVS); rm -f $(VENVS)/.passed-*.txt; failed=0; summary=""; \
 	for leg in $(LEGS); do \
 	  start=$$SECONDS; \
 	  $(MAKE) --no-print-directory venv-$$leg || { failed=$$((failed+1)); summary+="$$leg: install FAILED"$$'\n'; continue; }; \
@@ -180,6 +182,11 @@ test:
 	    [ $$rc -eq 0 ] && result=ok || { result=FAILED; failed=$$((failed+1)); }; \
 	    summary+="docs: $$result; install $$((mid-start)) s, build $$((SECONDS-mid)) s"$$'\n'; \
 	  else failed=$$((failed+1)); summary+="docs: install FAILED"$$'\n'; fi; \
+	fi; \
+	if [ "$(LEGS)" = "$(ALL_LEGS)" ] && [ -z "$(PYTEST_ARGS)" ]; then \
+	  legs=$$((legs+1)); echo "==== feature table: every 'yes' cell's test passed in some leg"; \
+	  if $(PYTHON) tests/support/features.py --check $(addprefix $(VENVS)/.passed-,$(addsuffix .txt,$(ALL_LEGS))); \
+	  then summary+="feature table: ok"$$'\n'; else failed=$$((failed+1)); summary+="feature table: FAILED"$$'\n'; fi; \
 	fi; \
 	echo "==== make test: one line per leg"; printf '%s' "$$summary"; \
 	echo "legs: $$(( legs - failed )) passed, $$failed failed"; \

@@ -110,10 +110,20 @@ _dispatch.register_active_families()
 
 
 def __getattr__(name: str) -> Any:
-    # Keras 3 tools, imported on first use (importing the package must not
-    # import Keras 3 where a Keras 2 family is in use).
+    # The active Keras' tools (tf.keras: Keras 3, tf_keras under
+    # TF_USE_LEGACY_KERAS=1, or TF <= 2.15's Keras 2), imported on first use
+    # (importing the package must not import a Keras the user did not).
     if name in ("CountedLoss", "FlushPartialWindow"):
-        from accum_optimizer.families import keras3_windows
+        from accum_optimizer._packages import active_keras
 
-        return getattr(keras3_windows, name)
+        kind, package = active_keras()
+        if kind == "keras3":
+            from accum_optimizer.families import keras3_windows
+
+            return getattr(keras3_windows, name)
+        from accum_optimizer.families import keras2_windows
+
+        if name == "CountedLoss":
+            return keras2_windows.counted_loss_class(package)
+        return keras2_windows.flush_partial_window_class(package)
     raise AttributeError(f"module 'accum_optimizer' has no attribute {name!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
+import sys
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 from accum_optimizer.core.state import NONFINITE_POLICIES, REDUCTIONS
@@ -320,6 +322,31 @@ def resolve_inner(inner_optimizer: Any, spec: InnerSpec) -> Any:
     return inner
 
 
+# id(inner optimizer) -> (weak inner, weak wrapper), for check_unshared.
+_WRAPPERS: dict = {}
+
+
+def check_unshared(inner: Any) -> None:
+    """Refuse an inner optimizer another live ``AccumulatingOptimizer`` wraps.
+
+    Raises:
+        ValueError: two wrappers would apply updates through one optimizer's
+            slots and counters (and Keras fails later, in the first update,
+            with "Unknown variable").
+    """
+    for key, (inner_ref, wrapper_ref) in list(_WRAPPERS.items()):
+        if inner_ref() is None or wrapper_ref() is None:
+            del _WRAPPERS[key]
+    entry = _WRAPPERS.get(id(inner))
+    if entry is not None and entry[0]() is inner:
+        raise ValueError(
+            f"`inner_optimizer` ({inner!r}) is already wrapped by another "
+            f"AccumulatingOptimizer ({entry[1]()!r}): both would update through its "
+            "slots and counters. Give each AccumulatingOptimizer its own inner "
+            "optimizer, e.g. type(opt).from_config(opt.get_config())."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Arguments:
     """The constructor's arguments, checked (see :class:`Constructor`)."""
@@ -352,6 +379,7 @@ class Constructor:
             value received and what is accepted).
     """
 
+    _FAMILY = "?"
     _INNER_ONLY: Mapping[str, Any] = {}
     _IGNORED: Sequence[str] = ()
     _NONFINITE: Sequence[str] = ("propagate",)
@@ -382,11 +410,27 @@ class Constructor:
         nonfinite = validate_nonfinite(nonfinite, self._NONFINITE)
         accumulator_dtype = self._check_accumulator_dtype(accumulator_dtype)
         inner = resolve_inner(inner_optimizer, self._inner_spec())
+        check_unshared(inner)
         args = Arguments(inner, steps, reduction, name, nonfinite, accumulator_dtype)
         self._before_base(args)
         super().__init__(**self._base_arguments(args))
         self.__dict__["_gradient_accumulation_steps"] = steps
         self._init_state(args)
+        _WRAPPERS[id(inner)] = (weakref.ref(inner), weakref.ref(self))
+
+    def __repr__(self) -> str:
+        """Names the family: Keras' "Could not interpret optimizer
+        identifier: ..." (a wrapper compiled into another Keras' model)
+        prints it."""
+        try:
+            inner, steps = self.inner_optimizer, self.gradient_accumulation_steps
+            return (
+                f"<AccumulatingOptimizer of the {self._family_models()}: "
+                f"{type(inner).__module__}.{type(inner).__qualname__}, "
+                f"gradient_accumulation_steps={steps!r}>"
+            )
+        except Exception:  # (partly constructed)
+            return object.__repr__(self)
 
     @property
     def gradient_accumulation_steps(self) -> Any:
@@ -415,6 +459,16 @@ class Constructor:
     def _inner_example(self) -> str:
         """An inner optimizer's constructor, for messages."""
         return "keras.optimizers.Adam"
+
+    def _family_models(self) -> str:
+        """What this wrapper trains, for messages: "Keras 3 family (keras
+        3.15.1 models; ...)"."""
+        package = self._inner_spec().resolver.split(".")[0] or "tensorflow"
+        version = getattr(sys.modules.get(package), "__version__", "?")
+        return (
+            f"{self._FAMILY} family (for {package} {version} models; a model of another "
+            f"Keras needs an AccumulatingOptimizer around that Keras' optimizer)"
+        )
 
     def _check_accumulator_dtype(self, value: Any) -> Any:
         if value is not None:

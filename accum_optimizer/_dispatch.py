@@ -138,7 +138,7 @@ def register_active_families() -> None:
     """Import (and so register with Keras' serialization) the wrappers of the
     active Keras: Keras 3's when ``tf.keras`` is Keras 3 or Keras 3 is
     already imported; the Keras 2 families' when ``tf.keras`` is Keras 2."""
-    kind, _ = active_keras()
+    kind, package = active_keras()
     wanted = {"keras3"} if kind == "keras3" or keras3() is not None else set()
     if kind == "keras2":
         wanted |= {"keras2", "legacy"}
@@ -148,3 +148,5 @@ def register_active_families() -> None:
     if "keras3" in wanted:
         # CountedLoss, registered for load_model of a model compiled with it.
         importlib.import_module("accum_optimizer.families.keras3_windows")
+    if kind == "keras2":
+        importlib.import_module("accum_optimizer.families.keras2_windows").counted_loss_class(package)

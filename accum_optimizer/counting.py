@@ -87,3 +87,35 @@ def reported_count(reduction: str | None = None) -> Any:
             "AccumulatingOptimizer(..., reduction='sum'), or a mean-reduced loss."
         )
     return pending["count"]
+
+
+def micro_batch_count(values: Any, weights: Any, mask: Any, reduction: str) -> Any:
+    """float32 scalar: the count ``c`` of one micro-batch, such that the
+    Keras loss reduced with ``reduction`` is ``Σ(terms) / c``; 0 for a
+    micro-batch whose every element is masked (Keras' loss is then 0,
+    ``divide_no_nan``). The one count of every family's ``CountedLoss``.
+
+    ``values``: the loss terms as the Keras package's reduction divides
+    them (the per-element losses times the sample weights, after the
+    package's own mask merge and rank alignment); ``weights``: those merged
+    sample weights (``None`` without sample weights and mask); ``mask``: the
+    merged mask (``None`` if none). ``reduction``: ``"sum"`` (1 per
+    micro-step), ``"sum_over_batch_size"`` / ``"mean"`` (the number of
+    elements; with a mask, the divisor of the valid ones: Keras weighs them
+    by total / valid), ``"mean_with_sample_weight"`` (Keras 3: the sum of
+    the weights)."""
+    if reduction == "sum":
+        return tf.constant(1.0, tf.float32)
+    values = tf.convert_to_tensor(values)
+    elements = tf.cast(tf.size(values), tf.float32)
+    if reduction == "mean_with_sample_weight":
+        count = elements if weights is None else tf.cast(tf.reduce_sum(weights * tf.ones_like(values)), tf.float32)
+    elif mask is not None:
+        # The divisor of the valid entries' sum is `elements * valid / total`,
+        # `valid` when the mask has the losses' shape.
+        total = tf.cast(tf.size(mask), tf.float32)
+        valid = tf.reduce_sum(tf.cast(tf.cast(mask, tf.bool), tf.float32))
+        count = tf.where(tf.equal(total, elements), valid, elements * valid / total)
+    else:
+        count = elements
+    return tf.stop_gradient(count)

@@ -18,8 +18,10 @@ or not at all.
 
 Counted: launches, elements and bytes, in all (``all_*``) and for the
 gradient reductions (``grad_*``): the collectives emitted while a Keras
-optimizer all-reduces its gradients (inside
-``TFOptimizer._all_reduce_sum_gradients``, at trace time), for a plain
+optimizer all-reduces its gradients (inside Keras 3's
+``TFOptimizer._all_reduce_sum_gradients``, Keras 2's
+``Optimizer.aggregate_gradients`` or ``OptimizerV2._aggregate_gradients``,
+at trace time), for a plain
 optimizer, the wrapper's inner optimizer and Keras' built-in accumulation
 alike. That is a process-wide flag, not a thread-local one: under
 ``merge_call`` the collective is emitted by the main thread while the replica
@@ -87,15 +89,35 @@ def _wrap_launcher(counter: CollectiveCounter) -> None:
 
 
 def _flag_gradient_reductions() -> None:
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    """Flag the optimizers' gradient all-reduce: Keras 3's (where ``tf.keras`` is Keras 3) and
+    Keras 2's (``tf_keras`` or TF <= 2.15's ``keras``, if imported: the new
+    API's ``aggregate_gradients`` and ``OptimizerV2._aggregate_gradients``)."""
+    import sys
 
-    original = TFOptimizer._all_reduce_sum_gradients
+    targets = []
+    keras = sys.modules.get(tf.keras.optimizers.Optimizer.__module__.split(".")[0])  # tf.keras' package
+    if str(getattr(keras, "__version__", "")).startswith("3."):
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    def all_reduce_sum_gradients(self, grads_and_vars):
+        targets.append((TFOptimizer, "_all_reduce_sum_gradients"))
+    for name in ("tf_keras", "keras"):
+        package = sys.modules.get(name)
+        if package is not None and str(getattr(package, "__version__", "")).startswith("2."):
+            targets.append((package.optimizers.Optimizer, "aggregate_gradients"))
+            targets.append((package.optimizers.legacy.Optimizer, "_aggregate_gradients"))
+    for cls, name in targets:
+        owner = next(c for c in cls.__mro__ if name in vars(c))
+        _flag(owner, name)
+
+
+def _flag(owner: type, name: str) -> None:
+    original = getattr(owner, name)
+
+    def reducing_gradients(self, grads_and_vars):
         _REDUCING_GRADIENTS[0] += 1
         try:
             return original(self, grads_and_vars)
         finally:
             _REDUCING_GRADIENTS[0] -= 1
 
-    TFOptimizer._all_reduce_sum_gradients = all_reduce_sum_gradients
+    setattr(owner, name, reducing_gradients)

@@ -117,3 +117,26 @@ def pytest_report_header(config):
         "installed: " + ", ".join(f"{d} {version(d)}" for d in dists),
         "families usable here: " + (", ".join(usable) or "none"),
     ]
+
+
+# ------------------------------------------- what backs the feature table
+# Each test that passed, once per family marker it carries, as
+# "<family> <nodeid without parameters>"; written to ACCUM_PASSED_OUT at
+# the end of the session (``make test`` sets it per leg; the feature
+# table's check reads every leg's file: tests/support/features.py).
+_PASSED: set = set()
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        base = report.nodeid.split("[", 1)[0]
+        for family in _FAMILY_FOLDERS + ("tfa",):
+            if family in report.keywords:
+                _PASSED.add(f"{family} {base}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("ACCUM_PASSED_OUT")
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(sorted(_PASSED)) + "\n")

@@ -228,6 +228,33 @@ def install_new_api_gates(inner: Any, variables: Sequence[Any], gates: dict, pac
     return tf_compat.gate_constraints(variables, gates, undo)
 
 
+# ------------------------------------------------------------ losses
+LOSS_HELPERS = private(
+    "<keras2>.losses.LossFunctionWrapper, <keras2>.utils.losses_utils (get_mask, "
+    "apply_valid_mask, squeeze_or_expand_dimensions)",
+    "tf_keras",
+    "CountedLoss turns a loss function into a Loss the way compile does (the class is not "
+    "exported), and finds the shape Keras 2's Loss.__call__ divides by: the prediction's and the "
+    "losses' masks (kept in a private tensor attribute, with no public reader), their merge into "
+    "the sample weights and the weights' rank alignment",
+    CHECKED,
+    lambda p: (_module_of(p.losses.Loss).LossFunctionWrapper,) + attributes(
+        _module_of(p.losses.Loss).losses_utils, "get_mask", "apply_valid_mask", "squeeze_or_expand_dimensions"),
+)
+
+
+def loss_function_wrapper(package: Any) -> type:
+    """``package``'s ``LossFunctionWrapper`` (what ``compile`` wraps a loss function in)."""
+    return require(LOSS_HELPERS, package)[0]
+
+
+def losses_utils(package: Any) -> Any:
+    """``package``'s ``losses_utils`` module: ``get_mask``, ``apply_valid_mask``,
+    ``squeeze_or_expand_dimensions``."""
+    require(LOSS_HELPERS, package)
+    return _module_of(package.losses.Loss).losses_utils
+
+
 # ------------------------------------------------------ legacy OptimizerV2
 OPTIMIZER_V2 = private(
     "<keras2>.optimizers.legacy.Optimizer (optimizer_v2): _var_key (module function), "

@@ -329,3 +329,51 @@ def variable_name(variable: Any) -> str:
 def op_name(name: str) -> str:
     """``name`` with the characters TF op names refuse replaced."""
     return "".join(c if c.isalnum() or c in "._-/" else "_" for c in name)
+
+
+def check_strategy() -> None:
+    """Refuse the ``tf.distribute`` strategies that cannot accumulate.
+
+    Accumulation needs synchronous replicas that each own a replica-local
+    (``ON_READ``) accumulator. Strategies of the parameter-server family
+    hold every variable once, on parameter servers or the CPU, and let all
+    replicas update it: the accumulator is shared, each replica adds its
+    part, and the inner optimizer's all-reduce then counts every gradient
+    once per replica (measured under ``CentralStorageStrategy`` with 2
+    replicas: exactly the update of twice the learning rate, no error).
+    ``ParameterServerStrategy`` workers also step asynchronously, so N
+    micro-steps of one worker are no window of the global batch.
+
+    Raises:
+        ValueError: the strategy in scope is one of those.
+    """
+    if not tf.distribute.has_strategy():
+        return
+    strategy = tf.distribute.get_strategy()
+    for name, why in _REFUSED_STRATEGIES.items():
+        classes = (getattr(tf.distribute.experimental, name), getattr(tf.compat.v1.distribute.experimental, name))
+        if isinstance(strategy, classes):
+            raise ValueError(
+                f"AccumulatingOptimizer does not support {name} (the "
+                f"tf.distribute strategy in scope is {type(strategy).__name__}): "
+                f"{why}. Use tf.distribute.MirroredStrategy on one host or "
+                "tf.distribute.MultiWorkerMirroredStrategy across hosts: "
+                "synchronous replicas, replica-local accumulators, one "
+                "all-reduce per update."
+            )
+
+
+_REFUSED_STRATEGIES = {
+    "ParameterServerStrategy": (
+        "its workers step asynchronously, each at its own pace, so N "
+        "micro-steps of one worker are not a window of the global batch; and "
+        "the accumulators would live once on the parameter servers, shared "
+        "by every worker"
+    ),
+    "CentralStorageStrategy": (
+        "it keeps one copy of every variable, shared by all replicas, so the "
+        "accumulators cannot be replica-local: every replica would add into "
+        "the same slot and the inner optimizer's all-reduce would count each "
+        "gradient once per replica (a silently wrong update)"
+    ),
+}

@@ -30,12 +30,14 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from accum_optimizer import _args, core
+from accum_optimizer import _args, core, counting
 from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families._tf import (
     TFBackend,
     as_gradients,
     check_gradient_shapes,
+    check_strategy,
+    check_weight,
     local_value,
     no_gradients,
     shape_checked,
@@ -108,6 +110,30 @@ class Accumulating(_args.Constructor):
         """Does a sparse window reach the inner optimizer as slices (else:
         dense, only the touched rows being zeroed afterwards)?"""
         return True
+
+    def _before_base(self, args: _args.Arguments) -> None:
+        if _args.accumulates(args.steps, args.nonfinite):  # (the pass-through goes wherever its inner goes)
+            check_strategy()
+
+    def _check_strategy_at_build(self) -> None:
+        """At build, under the strategy the variables live in (an optimizer
+        created outside a strategy's scope and built inside it): refuse the
+        strategies that cannot accumulate (:func:`check_strategy`)."""
+        if self._accumulates:
+            check_strategy()
+
+    def _micro_step_weight(self, weight: Any) -> Any:
+        """A micro-step's checked ``weight``: the one given, else the count a
+        counted loss reported in this train step (``CountedLoss`` in ``fit``:
+        :mod:`accum_optimizer.counting`), else ``None`` (unweighted).
+
+        Raises:
+            ValueError, TypeError: as :func:`~accum_optimizer.families._tf.check_weight`;
+                ValueError as :func:`accum_optimizer.counting.reported_count`.
+        """
+        if weight is None:
+            weight = counting.reported_count(self.reduction)
+        return check_weight(weight)
 
     # -------------------------------------------------------------- state
     def _window_built(self) -> bool:
@@ -384,10 +410,18 @@ class Accumulating(_args.Constructor):
         nothing.
 
         Raises:
-            ValueError: called inside ``strategy.run`` (replica context).
+            ValueError: called inside ``strategy.run`` (replica context), or
+                before the optimizer is built.
         """
-        if not self._window_built() or not self._accumulates:
+        if not self._accumulates:
             return
+        if not self._window_built():
+            raise ValueError(
+                "AccumulatingOptimizer.flush() before the optimizer is built: it holds no "
+                "window yet, so there is nothing to flush. Build it first "
+                "(opt.build(model.trainable_variables)), or take a micro-step "
+                "(apply_gradients, or model.fit)."
+            )
         if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
             raise ValueError(
                 "AccumulatingOptimizer.flush() must be called in cross-replica "
@@ -445,54 +479,6 @@ def colocated_with(owner: Any, reference: Any) -> Any:
 def outside_functions() -> Any:
     """Eager context even while a ``tf.function`` is being traced."""
     return tf.init_scope()
-
-
-def check_strategy() -> None:
-    """Refuse the ``tf.distribute`` strategies that cannot accumulate.
-
-    Accumulation needs synchronous replicas that each own a replica-local
-    (``ON_READ``) accumulator. Strategies of the parameter-server family
-    hold every variable once, on parameter servers or the CPU, and let all
-    replicas update it: the accumulator is shared, each replica adds its
-    part, and the inner optimizer's all-reduce then counts every gradient
-    once per replica (measured under ``CentralStorageStrategy`` with 2
-    replicas: exactly the update of twice the learning rate, no error).
-    ``ParameterServerStrategy`` workers also step asynchronously, so N
-    micro-steps of one worker are no window of the global batch.
-
-    Raises:
-        ValueError: the strategy in scope is one of those.
-    """
-    if not tf.distribute.has_strategy():
-        return
-    strategy = tf.distribute.get_strategy()
-    for name, why in _REFUSED_STRATEGIES.items():
-        classes = (getattr(tf.distribute.experimental, name), getattr(tf.compat.v1.distribute.experimental, name))
-        if isinstance(strategy, classes):
-            raise ValueError(
-                f"AccumulatingOptimizer does not support {name} (the "
-                f"tf.distribute strategy in scope is {type(strategy).__name__}): "
-                f"{why}. Use tf.distribute.MirroredStrategy on one host or "
-                "tf.distribute.MultiWorkerMirroredStrategy across hosts: "
-                "synchronous replicas, replica-local accumulators, one "
-                "all-reduce per update."
-            )
-
-
-_REFUSED_STRATEGIES = {
-    "ParameterServerStrategy": (
-        "its workers step asynchronously, each at its own pace, so N "
-        "micro-steps of one worker are not a window of the global batch; and "
-        "the accumulators would live once on the parameter servers, shared "
-        "by every worker"
-    ),
-    "CentralStorageStrategy": (
-        "it keeps one copy of every variable, shared by all replicas, so the "
-        "accumulators cannot be replica-local: every replica would add into "
-        "the same slot and the inner optimizer's all-reduce would count each "
-        "gradient once per replica (a silently wrong update)"
-    ),
-}
 
 
 # ---------------------------------------------------------------- saving

@@ -28,7 +28,6 @@ import tensorflow as tf
 from accum_optimizer import _args, core
 from accum_optimizer._compat import keras2 as compat
 from accum_optimizer.families import _keras2, _tf2
-from accum_optimizer.families._tf import check_weight
 
 # `weight_decay` defaults to 0 in Keras 2's `Optimizer`, to None in its subclasses.
 _INNER_ONLY_ARGS = {
@@ -91,6 +90,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
             (:class:`accum_optimizer._args.Constructor`).
     """
 
+    _FAMILY = "Keras 2 new API"
     _INNER_ONLY = _INNER_ONLY_ARGS
     _KIND, _API = "Keras 2 optimizer", "optimizers"
 
@@ -117,6 +117,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         if self._window_built():
             return
         var_list = list(var_list)
+        self._check_strategy_at_build()
         with tf.init_scope():
             with tf.name_scope(self.name):
                 self.micro_steps = self._counter(tf.constant(0, tf.int64), "micro_steps")
@@ -279,7 +280,9 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         all-reduced across replicas.
 
         ``weight``: the micro-batch's count, as in the Keras 3 family's
-        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`.
+        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`;
+        ``None``: the count a ``CountedLoss`` reported in this train step
+        (``fit``), if any, else 1.
 
         Returns:
             ``iterations`` (updates taken).
@@ -301,7 +304,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
                 f"{', '.join(sorted(kwargs))}. Accepted: grads_and_vars, name, "
                 "skip_gradients_aggregation, experimental_aggregate_gradients."
             )
-        weight = check_weight(weight)
+        weight = self._micro_step_weight(weight)
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return self.iterations

@@ -19,11 +19,11 @@ from typing import Any, Iterable, Sequence
 
 import keras
 
-from accum_optimizer import _args, core, counting
+from accum_optimizer import _args, core
 from accum_optimizer._compat import keras3 as compat
 from accum_optimizer.families import _tf2
 from accum_optimizer.families.keras3_saving import Keras3Saving
-from accum_optimizer.families._tf import check_weight, variable_name
+from accum_optimizer.families._tf import variable_name
 
 if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
     raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
@@ -197,6 +197,7 @@ class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, 
         NotImplementedError: Keras runs another backend than TensorFlow.
     """
 
+    _FAMILY = "Keras 3"
     _INNER_ONLY = _INNER_ONLY_ARGS
     _NONFINITE = core.NONFINITE_POLICIES
 
@@ -217,10 +218,6 @@ class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, 
             keras.optimizers.Optimizer, keras.optimizers.get, "keras.optimizers.get",
             keras.optimizers.LossScaleOptimizer,
         )
-
-    def _before_base(self, args: _args.Arguments) -> None:
-        if _args.accumulates(args.steps, args.nonfinite):  # (the pass-through goes wherever its inner goes)
-            _tf2.check_strategy()
 
     def _base_arguments(self, args: _args.Arguments) -> dict:
         return {"learning_rate": 0.0, "name": args.name}
@@ -460,9 +457,7 @@ class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, 
                 before any state changes).
             TypeError: ``weight`` is not a number.
         """
-        if weight is None:
-            weight = counting.reported_count(self.reduction)
-        weight = check_weight(weight)
+        weight = self._micro_step_weight(weight)
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:

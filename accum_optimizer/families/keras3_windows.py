@@ -17,6 +17,7 @@ from keras import ops
 
 from accum_optimizer import counting
 from accum_optimizer._compat import keras3 as compat
+from accum_optimizer.families import _windows
 
 if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
     raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
@@ -89,11 +90,7 @@ class CountedLoss(keras.losses.Loss):
             y_pred = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_pred)
             y_true = keras.tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=inner.dtype), y_true)
             losses = inner.call(y_true, y_pred)
-            out_mask = compat.keras_mask(losses)
-            if in_mask is not None and out_mask is not None:
-                mask = in_mask & out_mask
-            else:
-                mask = in_mask if in_mask is not None else out_mask
+            mask = _windows.merge_masks(in_mask, compat.keras_mask(losses))
             value = compat.loss_helpers().reduce_weighted_values(
                 losses, sample_weight=sample_weight, mask=mask, reduction=inner.reduction, dtype=inner.dtype
             )
@@ -116,13 +113,13 @@ class CountedLoss(keras.losses.Loss):
 
 def micro_batch_count(losses: Any, sample_weight: Any, mask: Any, reduction: str, dtype: Any) -> Any:
     """float32 scalar: the count ``c`` of one micro-batch, such that Keras'
-    reduced loss is ``Σ(terms) / c`` (see :class:`CountedLoss`); 0 for a
-    micro-batch whose every element is masked (Keras' loss is then 0,
-    ``divide_no_nan``). Mirrors ``reduce_weighted_values``: the same mask
-    merge (``apply_mask``) and rank alignment
-    (``squeeze_or_expand_to_same_rank``) decide the shape it divides by."""
+    reduced loss is ``Σ(terms) / c`` (see :class:`CountedLoss`). Keras 3's
+    merge of the mask and the sample weights (``apply_mask``) and rank
+    alignment (``squeeze_or_expand_to_same_rank``), as in
+    ``reduce_weighted_values``, decide the shape it divides by; the count
+    itself is :func:`accum_optimizer.counting.micro_batch_count`."""
     if reduction == "sum":
-        return ops.convert_to_tensor(1.0, "float32")
+        return counting.micro_batch_count(None, None, None, reduction)
     values = ops.convert_to_tensor(losses, dtype=dtype)
     weights = None if sample_weight is None else ops.convert_to_tensor(sample_weight, dtype=dtype)
     keras_loss = compat.loss_helpers()
@@ -131,45 +128,16 @@ def micro_batch_count(losses: Any, sample_weight: Any, mask: Any, reduction: str
         weights = ops.cast(weights, values.dtype)
         values, weights = keras_loss.squeeze_or_expand_to_same_rank(values, weights)
         values = values * weights
-    elements = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32")), "float32")
-    if reduction == "mean_with_sample_weight":
-        count = elements if weights is None else ops.cast(ops.sum(weights * ops.ones_like(values)), "float32")
-    elif mask is not None:
-        # Keras weighs valid entries by total / valid: the divisor of their
-        # sum is `elements * valid / total`, `valid` when the mask has the
-        # losses' shape.
-        total = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(mask), dtype="int32")), "float32")
-        valid = ops.sum(ops.cast(ops.cast(mask, "bool"), "float32"))
-        count = ops.where(ops.equal(total, elements), valid, elements * valid / total)
-    else:
-        count = elements
-    return ops.stop_gradient(count)
+    return counting.micro_batch_count(values, weights, mask, reduction)
 
 
 def _resolve_loss(loss: Any, reduction: str | None) -> keras.losses.Loss:
-    if isinstance(loss, keras.losses.Loss):
-        if reduction is not None and reduction != loss.reduction:
-            raise ValueError(
-                f"CountedLoss: `reduction` is only for a loss function; {loss.name!r} "
-                f"has reduction={loss.reduction!r} (received reduction={reduction!r})."
-            )
-        return loss
-    if isinstance(loss, (str, dict)):
-        resolved = keras.losses.get(loss)
-        if isinstance(resolved, keras.losses.Loss):
-            return resolved
-        loss = resolved
-    if callable(loss):
-        return compat.loss_function_wrapper()(
-            loss, reduction=reduction or "sum_over_batch_size", name=getattr(loss, "__name__", None)
-        )
-    raise TypeError(
-        "CountedLoss(loss): `loss` must be a keras.losses.Loss, an identifier "
-        f"keras.losses.get resolves, or a function. Received {loss!r}."
-    )
+    return _windows.resolve_loss(loss, reduction, keras.losses.Loss, keras.losses.get,
+                                 lambda *a, **k: compat.loss_function_wrapper()(*a, **k),
+                                 "sum_over_batch_size", "keras")
 
 
-class FlushPartialWindow(keras.callbacks.Callback):
+class FlushPartialWindow(_windows.FlushAtEpochEnd, keras.callbacks.Callback):
     """Apply the partial window at the end of every epoch, so that each
     epoch ends on an update (``AccumulatingOptimizer.flush``).
 
@@ -194,42 +162,3 @@ class FlushPartialWindow(keras.callbacks.Callback):
         ValueError: (at ``on_train_begin``) the model's optimizer has no
             ``AccumulatingOptimizer``.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._in_fit = False
-        self._flushed = False
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        self._optimizer()
-        self._in_fit = True
-
-    def on_train_end(self, logs: Any = None) -> None:
-        self._in_fit = False
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._flushed = False
-
-    def on_test_begin(self, logs: Any = None) -> None:
-        if self._in_fit:
-            self._flush()
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._flush()
-
-    def _flush(self) -> None:
-        if not self._flushed:
-            self._flushed = True
-            self._optimizer().flush()
-
-    def _optimizer(self) -> Any:
-        from accum_optimizer.families.keras3 import AccumulatingOptimizer
-
-        opt = self.model.optimizer
-        for candidate in (opt, getattr(opt, "inner_optimizer", None)):
-            if isinstance(candidate, AccumulatingOptimizer):
-                return candidate
-        raise ValueError(
-            "FlushPartialWindow needs a model compiled with an AccumulatingOptimizer "
-            f"(or a LossScaleOptimizer around one). The model's optimizer is {opt!r}."
-        )

@@ -33,7 +33,6 @@ from accum_optimizer import _args, core
 from accum_optimizer._compat import keras2 as compat
 from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families import _keras2, _tf2
-from accum_optimizer.families._tf import check_weight
 
 # Arguments of `OptimizerV2.__init__` (and of common subclasses) that belong on
 # the inner optimizer, with their defaults (accepted when equal to the
@@ -115,6 +114,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
             before any variable changes).
     """
 
+    _FAMILY = "Keras 2 legacy (OptimizerV2)"
     _INNER_ONLY = _INNER_ONLY_ARGS
     _IGNORED = _IGNORED_CONFIG_KEYS
 
@@ -147,6 +147,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         if self._window_built():
             return
         var_list = list(var_list)
+        self._check_strategy_at_build()
         with tf.init_scope(), compat.legacy_strategy_scope(self):
             first = tf.VariableAggregation.ONLY_FIRST_REPLICA
             self.micro_steps = self.add_weight(
@@ -243,7 +244,9 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         at each update.
 
         ``weight``: the micro-batch's count, as in the Keras 3 family's
-        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`.
+        :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`;
+        ``None``: the count a ``CountedLoss`` reported in this train step
+        (``fit``), if any, else 1.
 
         Returns:
             ``None`` (the update is a ``tf.cond`` inside; read
@@ -258,7 +261,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
                 changes).
             TypeError: ``weight`` is not a number.
         """
-        weight = check_weight(weight)
+        weight = self._micro_step_weight(weight)
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return None

@@ -110,6 +110,9 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
     _INNER_ONLY = {"use_locking": False}
     _SCHEDULES = False
 
+    def _family_models(self) -> str:
+        return "TF1 family (tf.compat.v1 graph code)"
+
     def _inner_example(self) -> str:
         return "tf.compat.v1.train.AdamOptimizer"
 

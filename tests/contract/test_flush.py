@@ -30,12 +30,14 @@ def _traced(d):
 def test_flush_normalises_by_what_the_window_holds(family, traced, weights):
     """SGD(0.5), N = 4, hand-computed: after 2 micro-steps, flush applies
     (g1 + g2) / 2 unweighted, (1·g1 + 3·g2) / 4 with weights 1 and 3, and
-    counts one update; a second flush on the empty window is a no-op; the
+    counts one update; a flush on an empty window (built, before any
+    micro-step; or right after a flush) is a no-op; the
     next window is a full window of 4 again."""
     g1, g2 = np.array([1.0, 2.0], "float32"), np.array([3.0, -6.0], "float32")
     w1, w2 = weights
     t = driver(family).vectors([[1.0, -1.0]], Inner("sgd", 0.5), n=4)
-    t.flush(traced)  # an empty window before any micro-step
+    t.build()
+    t.flush(traced)  # an empty window: built, before any micro-step (unbuilt, flush raises: core/test_arguments.py)
     assert t.counters()["iterations"] == 0
     t.apply([g1], weight=w1)
     t.apply([g2], weight=w2)
@@ -59,7 +61,8 @@ def test_flush_normalises_by_what_the_window_holds(family, traced, weights):
 def test_flush_right_after_a_window_closed_is_a_no_op(family, case):
     """Four micro-steps close the window; a flush then changes nothing."""
     t = driver(family).vectors([[1.0, -1.0]], Inner("sgd", 0.5), n=4)
-    t.flush()  # before any micro-step: nothing to apply
+    t.build()
+    t.flush()  # built, before any micro-step: nothing to apply
     for _ in range(4):
         t.apply([[1.0, 1.0]])
     before = t.values()

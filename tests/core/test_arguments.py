@@ -62,3 +62,43 @@ def test_missing_and_unknown_arguments_raise_the_shared_errors(family, case, arg
     with pytest.raises(TypeError) as got:
         _family_class(family)(*args, **kwargs)
     assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("family, case", params(FAMILIES))
+def test_an_inner_optimizer_wrapped_twice_is_refused(family, case):
+    """Two wrappers around one inner optimizer would update through the same
+    slots and counters (Keras 3 used to fail later, inside the first update's
+    ``Cond.call()``, with "Unknown variable"): refused when the second is
+    made, naming the argument; free again once the first wrapper is gone."""
+    import gc
+
+    inner = driver(family).make_inner(Inner("sgd", 0.1))
+    first = _family_class(family)(inner, 2)
+    with pytest.raises(ValueError, match=r"`inner_optimizer` \(.*\) is already wrapped by another AccumulatingOptimizer"):
+        _family_class(family)(inner, 3)
+    del first
+    gc.collect()
+    assert _family_class(family)(inner, 3).inner_optimizer is inner
+
+
+@pytest.mark.parametrize("family, case", params(FAMILIES))
+def test_repr_names_the_family_and_the_inner_optimizer(family, case):
+    """What Keras' "Could not interpret optimizer identifier: ..." prints when
+    a wrapper is compiled into another Keras' model."""
+    inner = driver(family).make_inner(Inner("sgd", 0.1))
+    text = repr(_family_class(family)(inner, 2))
+    names = {"keras3": "Keras 3 family", "keras2": "Keras 2 new API family",
+             "legacy": "Keras 2 legacy (OptimizerV2) family", "tf1": "TF1 family"}
+    assert names[family] in text
+    assert f"{type(inner).__module__}.{type(inner).__qualname__}" in text
+    assert "gradient_accumulation_steps=2" in text
+
+
+@pytest.mark.parametrize("family, case", params(("keras3", "keras2", "legacy")))
+def test_flush_before_the_optimizer_is_built_raises(family, case):
+    """No window exists before the first build: flush() says so and what to
+    do, rather than doing nothing silently (the TF1 family raises too: its
+    flush needs the train op)."""
+    opt = _family_class(family)(driver(family).make_inner(Inner("sgd", 0.1)), 2)
+    with pytest.raises(ValueError, match=r"flush\(\) before the optimizer is built.*opt\.build\("):
+        opt.flush()

@@ -315,3 +315,46 @@ def test_a_wrapper_class_made_for_another_keras2_package_is_an_accumulating_opti
     assert issubclass(cls, AccumulatingOptimizer)
     assert isinstance(cls.__new__(cls), AccumulatingOptimizer)  # (no inner: the class' own instance, not built)
     assert not isinstance(own_base.__new__(own_base), AccumulatingOptimizer)
+
+
+# ------------------------------------------- a wrapper in another Keras
+def test_a_wrapper_compiled_into_another_keras_model_names_its_family():
+    """Keras' "Could not interpret optimizer identifier: ..." prints the
+    wrapper: it names the family and the Keras whose models it trains, both
+    ways (Keras 3 wrapper into a Keras 2 model, Keras 2 wrapper into a Keras 3
+    model). Needs Keras 3 beside the Keras 2 package (tf_keras on TF 2.21)."""
+    keras3 = pytest.importorskip("keras")
+    if not keras3.__version__.startswith("3."):
+        pytest.skip(f"`keras` is Keras {keras3.__version__} here: no Keras 3 beside {PACKAGE.__name__}")
+    model2 = keras.Sequential([keras.layers.Dense(1, input_shape=(2,))])
+    with pytest.raises(ValueError, match=_all_of(
+            "Could not interpret optimizer identifier", "Keras 3 family", f"keras {keras3.__version__} models")):
+        model2.compile(AccumulatingOptimizer(keras3.optimizers.Adam(), 2), "mse")
+    model3 = keras3.Sequential([keras3.Input((2,)), keras3.layers.Dense(1)])
+    with pytest.raises(ValueError, match=_all_of(
+            "Could not interpret optimizer identifier", "Keras 2 new API family",
+            f"{PACKAGE.__name__} {PACKAGE.__version__} models")):
+        model3.compile(AccumulatingOptimizer(o.Adam(), 2), "mse")
+
+
+# ------------------------------------------- CountedLoss, FlushPartialWindow
+def test_counted_loss_and_flush_are_the_active_keras_classes_and_load_with_the_model(tmp_path):
+    """``from accum_optimizer import CountedLoss, FlushPartialWindow`` gives
+    subclasses of this Keras 2 package's ``Loss`` and ``Callback`` (what its
+    ``compile`` and ``fit`` accept); a model compiled with the counted loss
+    saves and loads in the ``.keras`` and ``.h5`` formats with it, no
+    ``custom_objects``; a non-scalar reduction is refused with a message
+    naming it and what is accepted."""
+    from accum_optimizer import CountedLoss, FlushPartialWindow
+
+    assert issubclass(CountedLoss, keras.losses.Loss) and issubclass(FlushPartialWindow, keras.callbacks.Callback)
+    model = make_mlp(0)
+    model.compile(AccumulatingOptimizer(o.Adam(1e-2), 2), CountedLoss("mse"))
+    x, y = make_data(4)
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[FlushPartialWindow()])
+    for name in ("m.keras", "m.h5"):
+        model.save(str(tmp_path / name))
+        loaded = keras.models.load_model(str(tmp_path / name))
+        assert type(loaded.loss) is CountedLoss and loaded.loss.get_config() == model.loss.get_config()
+    with pytest.raises(ValueError, match=_all_of("CountedLoss", "reduction='none'", "'sum_over_batch_size'")):
+        CountedLoss(keras.losses.MeanSquaredError(reduction="none"))

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from accum_optimizer import AccumulatingOptimizer, CountedLoss, FlushPartialWindow
 from support.reference import make_data, make_mlp, max_abs_diff, weights
+from support.tokens import padded as _padded, token_data as _token_data
 
 TOL = 1e-6
 
@@ -112,20 +113,6 @@ def test_custom_loop_weight_equals_the_large_batch():
     _assert_same_training(ref, ref_opt, model, opt)
 
 
-def _token_data(seed, n, max_len=9, vocab=12):
-    """Sequences of very different lengths (1..max_len), ids in 1..vocab-1,
-    padded with 0; targets are per-token classes."""
-    rng = np.random.RandomState(seed)
-    lengths = rng.randint(1, max_len + 1, size=n)
-    lengths[0], lengths[1] = 1, max_len
-    x = np.zeros((n, max_len), "int32")
-    y = np.zeros((n, max_len), "int32")
-    for i, length in enumerate(lengths):
-        x[i, :length] = rng.randint(1, vocab, size=length)
-        y[i, :length] = rng.randint(0, 5, size=length)
-    return x, y
-
-
 def _token_model(seed=0, vocab=12):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([
@@ -134,21 +121,6 @@ def _token_model(seed=0, vocab=12):
         keras.layers.Dense(7, activation="tanh"),
         keras.layers.Dense(5),
     ])
-
-
-def _padded(x, y, batch):
-    """Each batch padded to its own longest sequence (what padded_batch does)."""
-    lengths = (x > 0).sum(axis=1)
-
-    def gen():
-        for i in range(0, len(x), batch):
-            t = int(lengths[i : i + batch].max())
-            yield x[i : i + batch, :t], y[i : i + batch, :t]
-
-    spec = (tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None, None), tf.int32))
-    batches = -(-len(x) // batch)
-    return tf.data.Dataset.from_generator(gen, output_signature=spec).apply(
-        tf.data.experimental.assert_cardinality(batches))
 
 
 def test_masked_tokens_equal_the_large_batch_masked_mean():

@@ -892,6 +892,10 @@ class KerasVectors:
         present = [tf.zeros([2]) if g is None else g for g in grads]
         self._fns[key](present, tf.constant(1.0 if weight is None else weight, tf.float32))
 
+    def build(self):
+        """Build the window (the optimizer) before any micro-step."""
+        self.opt.build(self.variables)
+
     def flush(self, traced=False):
         (tf.function(self.opt.flush) if traced else self.opt.flush)()
 
@@ -1291,6 +1295,9 @@ class TF1Vectors:
         if weight is not None:
             feed[self.weight] = weight
         self.sess.run(self.ops[mask], feed)
+
+    def build(self):
+        """The window is built with the train ops (in ``__init__``)."""
 
     def flush(self, traced=False):
         self.sess.run(self.flush_op)

@@ -6,7 +6,9 @@ Two workers, one replica (CPU device) each. ``B`` is the GLOBAL micro-batch
 ``N * B``.
 """
 
-import keras
+from support.families import keras_module
+
+keras = keras_module()  # Keras 3, or tf.keras where that is Keras 2 (tf_keras under TF_USE_LEGACY_KERAS=1)
 
 WORKERS = 2
 N = 4  # gradient_accumulation_steps
@@ -29,6 +31,11 @@ OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(1e-2),
     "adamw": _adamw_ema_schedule,
+}
+# Keras 2's legacy OptimizerV2 (the legacy family), for the Keras 2 scenarios.
+LEGACY_OPTIMIZERS = {
+    "legacysgd": lambda: keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+    "legacyadam": lambda: keras.optimizers.legacy.Adam(1e-2),
 }
 
 

@@ -40,7 +40,10 @@ from support import multiworker_setup as S  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+
+from support.families import available  # noqa: E402
+
+keras = S.keras  # Keras 3, or tf.keras where it is Keras 2 (the Keras 2 families' runs)
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
 from benchmarks._collectives import CollectiveCounter, deltas  # noqa: E402
@@ -64,7 +67,8 @@ def custom_loop(strategy, counter, optimizer_fn, accumulate: bool, steps: int, d
         model = make_mlp(seed=0)
         inner = optimizer_fn()
         opt = AccumulatingOptimizer(inner, S.N) if accumulate else inner
-        opt.build(model.trainable_variables)
+        if hasattr(opt, "build"):  # (a plain legacy OptimizerV2 builds on its first step)
+            opt.build(model.trainable_variables)
 
     def dataset_fn(ctx):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
@@ -120,10 +124,11 @@ def fit(strategy, counter, optimizer_fn, accumulate: bool, steps: int, data_seed
 def summary(model, opt, extra: dict) -> dict:
     accumulating = isinstance(opt, AccumulatingOptimizer)
     inner = opt.inner_optimizer if accumulating else opt
+    variables = inner.weights if callable(getattr(type(inner), "variables", None)) else list(inner.variables)
     out = {
         "weights": [v.numpy().tolist() for v in model.weights],
-        "inner_variables": [v.numpy().tolist() for v in inner.variables],
-        "inner_variable_paths": [v.path for v in inner.variables],
+        "inner_variables": [v.numpy().tolist() for v in variables],
+        "inner_variable_paths": [getattr(v, "path", None) or v.name for v in variables],
         "iterations": int(inner.iterations.numpy()),
         "num_params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
         **extra,
@@ -157,7 +162,7 @@ def run_scenario(strategy, counter, name: str) -> dict:
     """
     loop, variant, opt_name = name.split("_")
     run = LOOPS[loop]
-    optimizer_fn = S.OPTIMIZERS[opt_name]
+    optimizer_fn = {**S.OPTIMIZERS, **S.LEGACY_OPTIMIZERS}[opt_name]
     steps, seed = S.N * S.WINDOWS, S.DATA_SEED[loop]
     if variant == "builtin":
         def builtin_fn():
@@ -306,28 +311,36 @@ def parameter_server_check(out: Path) -> None:
                                                                     rpc_layer="grpc")
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     result = {"strategy": type(strategy).__name__, "servers": len(servers)}
+    # Keras 3, or Keras 2's new API; and, where tf.keras is Keras 2, its
+    # legacy OptimizerV2 (results "legacy_construction", "legacy_build").
+    inners = {"": keras.optimizers.Adam}
+    if not available("keras3"):
+        inners["legacy_"] = keras.optimizers.legacy.Adam
     with strategy.scope():
         model = make_mlp(seed=0)
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")  # plain Keras accepts it
-        try:
-            AccumulatingOptimizer(keras.optimizers.Adam(1e-2), S.N)
-            result["construction"] = None
-        except ValueError as e:
-            result["construction"] = str(e)
-    opt = AccumulatingOptimizer(keras.optimizers.Adam(1e-2), S.N)  # outside the scope: fine
-    with strategy.scope():
-        try:
-            opt.build(model.trainable_variables)
-            result["build"] = None
-        except ValueError as e:
-            result["build"] = str(e)
+    for prefix, inner in inners.items():
+        with strategy.scope():
+            try:
+                AccumulatingOptimizer(inner(1e-2), S.N)
+                result[prefix + "construction"] = None
+            except ValueError as e:
+                result[prefix + "construction"] = str(e)
+        opt = AccumulatingOptimizer(inner(1e-2), S.N)  # outside the scope: fine
+        with strategy.scope():
+            try:
+                opt.build(model.trainable_variables)
+                result[prefix + "build"] = None
+            except ValueError as e:
+                result[prefix + "build"] = str(e)
     (out / "parameter_server.json").write_text(json.dumps(result))
 
 
 def make_strategy(kind: str):
     if kind == "mwms":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        keras_fit_workaround(strategy)
+        if available("keras3"):  # (Keras 2's fit runs under MWMS as it is)
+            keras_fit_workaround(strategy)
         assert len(strategy.extended.worker_devices) == 1
         return strategy, strategy.cluster_resolver.task_id
     cpus = tf.config.list_physical_devices("CPU")
