@@ -50,9 +50,16 @@ class Family:
     def wrapper(self) -> type:
         return importlib.import_module(f"accum_optimizer.families.{self.module}").AccumulatingOptimizer
 
-    def loaded_wrapper(self) -> type | None:
+    def loaded_wrappers(self) -> tuple:
+        """The family's wrapper classes made so far (none if its module is
+        not imported): its ``AccumulatingOptimizer`` and, for the Keras 2
+        families, the class of every other Keras 2 package
+        (``wrapper_class.made()``)."""
         module = sys.modules.get(f"accum_optimizer.families.{self.module}")
-        return None if module is None else module.AccumulatingOptimizer
+        if module is None:
+            return ()
+        made = getattr(getattr(module, "wrapper_class", None), "made", None)
+        return (module.AccumulatingOptimizer, *(made() if made is not None else ()))
 
 
 FAMILIES = [
@@ -122,8 +129,9 @@ def subclass_family() -> Family:
 
 
 def loaded_wrappers() -> tuple:
-    """The wrapper classes of the families imported so far."""
-    return tuple(w for w in (f.loaded_wrapper() for f in FAMILIES) if w is not None)
+    """The wrapper classes of the families imported so far (one per Keras 2
+    package for the Keras 2 families)."""
+    return tuple(w for f in FAMILIES for w in f.loaded_wrappers())
 
 
 def register_active_families() -> None:

@@ -135,6 +135,36 @@ class NewOptimizerHooks:
         return super()._lookup_dependency(name, cached_dependencies)
 
 
+NADAM_U_PRODUCT = private(
+    "<keras2>.optimizers.Nadam: _u_product_counter (a Python counter read in update_step)",
+    "tf_keras",
+    "Keras 2's Nadam advances _u_product in the first update_step it traces (a Python counter "
+    "decides which): traced, if that first update_step is a variable gated off for the window, "
+    "_u_product does not move and the other variables divide by 1 - _u_product = 0 at the first "
+    "update; the wrapper hands Nadam the variables with a gradient first",
+    CHECKED,
+    lambda p: _reads_u_product_counter(p.optimizers.Nadam),
+)
+
+
+def _reads_u_product_counter(nadam: type) -> Any:
+    import inspect
+
+    if "_u_product_counter" not in inspect.getsource(nadam.update_step):
+        raise AttributeError("Nadam.update_step no longer reads _u_product_counter")
+    return nadam.update_step
+
+
+def _traces_per_step_state_in_first_update(opt: Any, package: Any) -> bool:
+    """Does ``opt`` (Keras 2 Nadam) advance a per-step state in whichever
+    ``update_step`` it traces first?"""
+    nadam = getattr(package.optimizers, "Nadam", None)
+    if nadam is None or not isinstance(opt, nadam):
+        return False
+    require(NADAM_U_PRODUCT, package)
+    return True
+
+
 def install_new_api_gates(inner: Any, variables: Sequence[Any], gates: dict, package: Any) -> Callable[[], None]:
     """Gate the per-variable mutations of a Keras 2 new-API ``inner``
     optimizer for the variables in ``gates`` (index in ``variables`` ->
@@ -197,6 +227,18 @@ def install_new_api_gates(inner: Any, variables: Sequence[Any], gates: dict, pac
         "_update_model_variables_moving_average": per_variable(orig_ema),
         "_overwrite_model_variables_with_average_value": per_variable(orig_overwrite),
     }
+    if _traces_per_step_state_in_first_update(opt, package):
+        orig_apply = opt.apply_gradients
+
+        def apply_gradients(grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+            # The variables with a gradient on this micro-step first (one at
+            # least, except in a flush), so that Nadam's first traced
+            # update_step, which advances _u_product, is not a gated one.
+            pairs = list(grads_and_vars)
+            pairs = [p for p in pairs if key(p[1]) not in keyed] + [p for p in pairs if key(p[1]) in keyed]
+            return orig_apply(pairs, *args, **kwargs)
+
+        patches["apply_gradients"] = apply_gradients
     for attr, fn in patches.items():
         object.__setattr__(opt, attr, fn)
     jit_compile = opt.jit_compile

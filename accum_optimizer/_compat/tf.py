@@ -214,6 +214,55 @@ TRACKABLE = private(
 )
 
 
+SLOT_OWNERS = private(
+    "tensorflow.python.checkpoint.util.serialize_slot_variables and async_checkpoint_helper "
+    "(a trackable owns slot variables iff \"get_slot_names\" in dir(trackable))",
+    "tensorflow",
+    "the legacy and TF1 wrappers answer get_slot/get_slot_names with their inner optimizer's slots; "
+    "tf.train.Checkpoint saves, as slots of an object, what get_slot returns for every name "
+    "get_slot_names lists, but only for objects whose dir() lists get_slot_names: the wrappers leave "
+    "it out of dir(), so each slot stays saved once, by the inner optimizer (the layout of earlier "
+    "versions; listed twice, the save fails: 'A slot variable was re-used as a dependency')",
+    CHECKED,
+    lambda t: _slot_owners_found_by_dir(),
+)
+
+
+def _slot_owners_found_by_dir() -> Any:
+    import inspect
+
+    from tensorflow.python.checkpoint import async_checkpoint_helper, util
+
+    try:
+        sources = [inspect.getsource(util.serialize_slot_variables), inspect.getsource(async_checkpoint_helper)]
+    except OSError as e:
+        raise AttributeError(f"no source to check: {e}") from None
+    if not all('"get_slot_names" in dir(' in source for source in sources):
+        raise AttributeError('tf.train.Checkpoint no longer finds slot owners by `"get_slot_names" in dir(obj)`')
+    return util.serialize_slot_variables
+
+
+class InnerSlots:
+    """``get_slot(var, name)`` and ``get_slot_names()`` of a wrapper answer
+    with its ``inner_optimizer``'s slots (read-only: the wrapper makes none),
+    what code written for the inner optimizer reads; ``dir()`` leaves
+    ``get_slot_names`` out, so that ``tf.train.Checkpoint`` does not save
+    those slots a second time as the wrapper's (:data:`SLOT_OWNERS`)."""
+
+    def get_slot_names(self) -> list:
+        """The inner optimizer's slot names (``["m", "v"]`` for Adam)."""
+        require(SLOT_OWNERS, tf)
+        return list(self.inner_optimizer.get_slot_names())
+
+    def get_slot(self, var: Any, slot_name: str) -> Any:
+        """The inner optimizer's slot ``slot_name`` of ``var`` (as its
+        ``get_slot``, errors included)."""
+        return self.inner_optimizer.get_slot(var, slot_name)
+
+    def __dir__(self) -> list:
+        return [name for name in super().__dir__() if name != "get_slot_names"]
+
+
 class TF1Trackable:
     """The TF1 wrapper's override of ``Trackable._trackable_children``: what
     ``tf.train.Checkpoint`` saves of it is what its

@@ -414,15 +414,21 @@ def pass_through(
 def resume_position(
     b: Backend, state: WindowState, rules: Rules, *, replicas: Replicas = ONE_REPLICA
 ) -> Any:
-    """If ``mini_step`` is negative (:data:`UNKNOWN_POSITION`: a fresh
-    optimizer of a family that restores lazily, or state restored from a
-    checkpoint saved before ``mini_step`` existed): ``mini_step =
-    micro_steps % N`` (0 under a schedule: no such checkpoint has one) and,
-    in each replica, ``window_weight = mini_step`` (every micro-step of such
-    a window counted 1): what the window's position was before it had its
-    own counter, so that such a checkpoint resumes exactly. One scalar
-    ``cond``; families whose checkpoints restore lazily and by name call it
-    before every micro-step and flush."""
+    """If the window's position is unknown: ``mini_step = micro_steps % N``
+    (0 under a schedule: no such checkpoint has one) and, in each replica,
+    ``window_weight = mini_step`` (every micro-step of such a window counted
+    1): what the window's position was before it had its own counter, so
+    that a checkpoint saved without it resumes exactly. One scalar ``cond``;
+    families whose checkpoints restore lazily or by name call it before
+    every micro-step and flush.
+
+    Unknown: ``mini_step`` is negative (:data:`UNKNOWN_POSITION`, the
+    initial value of a family whose state may be restored after the first
+    read), or 0 while ``grad_received`` marks a variable: no state the
+    algorithm writes has that (every micro-step counts and marks together,
+    closing a window zeroes both), but a checkpoint saved before
+    ``mini_step`` existed, restored mid-window into a fresh state whose
+    ``mini_step`` starts at 0 (TF1's ``Saver`` after the initializer), has."""
     mini_step = state.mini_step
 
     def derive() -> Any:
@@ -434,7 +440,11 @@ def resume_position(
         counted = replicas.each(_set_count, b, state.window_weight, position)
         return [b.assign(mini_step, position), counted]
 
-    return b.cond(b.less(b.read(mini_step), 0), derive, _noop)
+    # Unknown iff mini_step < 1 where a variable is marked, < 0 otherwise.
+    threshold = b.constant(0, b.dtype(mini_step))
+    if state.grad_received is not None:
+        threshold = b.cast(b.greater(b.reduce_max(b.read(state.grad_received)), 0), b.dtype(mini_step))
+    return b.cond(b.less(b.read(mini_step), threshold), derive, _noop)
 
 
 def _set_count(b: Backend, window_weight: Any, position: Any) -> Any:

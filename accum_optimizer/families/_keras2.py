@@ -56,6 +56,31 @@ def primary_package(family: str) -> Any:
         ) from None
 
 
+def by_registered_name(package: Any, config: Any, custom_objects: Any = None) -> Any:
+    """A copy of a serialized object (``serialize``'s dict, nested ones
+    included) in which each object saved with a registered name (its
+    ``"registered_name"``, e.g. ``"Addons>AdamW"``, other than its
+    ``"class_name"``) that ``package`` or ``custom_objects`` resolve is
+    named by it in ``"class_name"``.
+
+    Keras 2 writes a nested object's config in the current format
+    (``class_name``, ``module``, ``registered_name``) even into an ``.h5``
+    file, but its ``.h5`` loader resolves the config by ``class_name`` alone
+    (the legacy deserializer), where a registered class is not found; its
+    current deserializer looks the registered name up first, so the
+    renamed config resolves in both (issue 17, bug 1)."""
+    if isinstance(config, (list, tuple)):
+        return [by_registered_name(package, c, custom_objects) for c in config]
+    if not isinstance(config, dict):
+        return config
+    renamed = {k: by_registered_name(package, v, custom_objects) for k, v in config.items()}
+    name = renamed.get("registered_name")
+    if (isinstance(name, str) and "class_name" in renamed and name != renamed["class_name"]
+            and package.saving.get_registered_object(name, custom_objects=custom_objects) is not None):
+        renamed["class_name"] = name
+    return renamed
+
+
 class PerPackage:
     """Mixin: an inner optimizer of another imported Keras 2 package than the
     class' own (``tf_keras`` beside TF 2.15's ``keras``) gets that package's
@@ -137,7 +162,9 @@ def wrapper_classes(
     family for one Keras 2 package, a subclass of ``mixins`` and
     ``base_of(package)``, registered with that package's
     ``register_keras_serializable(package="accum_optimizer", name=registered_name)``;
-    one class per package (cached)."""
+    one class per package (cached). ``wrapper_class.made()``: the classes
+    made so far (what ``isinstance(x, accum_optimizer.AccumulatingOptimizer)``
+    checks)."""
     cache: dict[str, type] = {}
 
     def wrapper_class(package: Any) -> type:
@@ -152,4 +179,5 @@ def wrapper_classes(
             cls = cache[package.__name__] = register(cls)
         return cls
 
+    wrapper_class.made = lambda: tuple(cache.values())  # type: ignore[attr-defined]
     return wrapper_class

@@ -89,6 +89,7 @@ class TFBackend:
     less = staticmethod(tf.less)
     logical_and = staticmethod(tf.logical_and)
     maximum = staticmethod(tf.maximum)
+    reduce_max = staticmethod(tf.reduce_max)
     floormod = staticmethod(tf.math.floormod)
     divide = staticmethod(tf.math.truediv)  # what `x / y` is for tensors
     ones_like = staticmethod(tf.ones_like)

@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from accum_optimizer import _args, core
 from accum_optimizer._compat import keras2 as compat
+from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families import _keras2, _tf2
 
 # Arguments of `OptimizerV2.__init__` (and of common subclasses) that belong on
@@ -63,7 +64,7 @@ def package_of(optimizer: Any) -> Any:
     return _keras2.package_of(optimizer, _base_of)
 
 
-class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulating):
+class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulating):
     """Accumulate gradients over micro-batches, update once per window
     (Keras 2 legacy ``OptimizerV2`` and tensorflow-addons).
 
@@ -99,9 +100,9 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
       survives a restore across replicas).
     * A variable with no gradient in the whole window gets no update, no tfa
       decoupled weight decay and no constraint.
-    * The inner optimizer's slots are its own (``opt.inner_optimizer.get_slot(
-      var, "m")``): forwarding them would save each one twice in a
-      ``tf.train.Checkpoint``.
+    * ``get_slot(var, "m")`` and ``get_slot_names()`` read the inner
+      optimizer's slots (the wrapper has none of its own); a
+      ``tf.train.Checkpoint`` saves them once, under the inner optimizer.
 
     State (saved wherever Keras 2 saves optimizer weights, in :attr:`weights`
     order): ``micro_steps``, ``grad_received``, the accumulators
@@ -307,9 +308,11 @@ class _LegacyAccumulating(compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulat
         config = dict(config)
         inner = config.pop("inner_optimizer")
         if isinstance(inner, dict):
-            # deserialize lower-cases the class name in place: pass a copy.
+            # By its registered name (tfa's "Addons>AdamW"), which the .h5
+            # loader would not look up; a copy (deserialize edits it in place).
             inner = cls._keras.optimizers.deserialize(
-                copy.deepcopy(inner), custom_objects=custom_objects, use_legacy_optimizer=True
+                _keras2.by_registered_name(cls._keras, inner, custom_objects), custom_objects=custom_objects,
+                use_legacy_optimizer=True,
             )
         config = _tf2.deserialize_schedule(cls._keras, config, custom_objects)
         return cls(inner, **config)

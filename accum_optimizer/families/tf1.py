@@ -26,7 +26,7 @@ from accum_optimizer.families._tf import check_weight, control_inputs, validate_
 tf1 = tf.compat.v1
 
 
-class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Optimizer):
+class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constructor, tf1.train.Optimizer):
     """Accumulate gradients over micro-batches, update once per window (TF1).
 
     ``opt.minimize(loss, global_step=global_step, var_list=...)`` (or
@@ -77,11 +77,12 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
             hands the inner optimizer the window's touched rows as
             ``tf.IndexedSlices``, as the large batch would, so lazy sparse
             updates (``MomentumOptimizer``'s) match it.
-        ``mini_step`` (int64 scalar, the window's position; -1 until the
-            first run, then ``micro_steps % N``: a checkpoint saved without
-            it, restored with a ``Saver`` over the other variables, resumes
-            exactly) and ``window_weight`` (float32 scalar, the window's
-            ``Σ cᵢ``), after the accumulators in :meth:`accumulation_variables`.
+        ``mini_step`` (int64 scalar, the window's position, 0 in a fresh
+            state; a checkpoint saved without it, restored mid-window with
+            a ``Saver`` over the other variables, resumes at
+            ``micro_steps % N``, its position then) and ``window_weight``
+            (float32 scalar, the window's ``Σ cᵢ``), after the accumulators
+            in :meth:`accumulation_variables`.
 
     Weighted micro-batches (``minimize``/``apply_gradients(..., weight=c)``,
     ``c`` a number or a tensor such as a placeholder) and the partial window
@@ -233,14 +234,11 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
                                 "touched_rows", tf.zeros(v.shape[:1], tf.int8), v, slot=("touched_rows", i)
                             )
                         trackers.append(tracker)
-                # The window's position (-1, "unknown", until the first run:
-                # then `micro_steps % N`, what it was before it was kept, so
-                # that a checkpoint saved without it resumes exactly; see
-                # `core.resume_position`) and count.
+                # The window's position (0, a fresh state's; state restored
+                # from a checkpoint saved without it resumes at
+                # `micro_steps % N`, see `core.resume_position`) and count.
                 with tf.name_scope(f"{self.get_name()}/"):
-                    mini_step = self._own_variable(
-                        "mini_step", tf.constant(core.UNKNOWN_POSITION, tf.int64), first
-                    )
+                    mini_step = self._own_variable("mini_step", tf.zeros([], tf.int64), first)
                     window_weight = self._own_variable("window_weight", tf.zeros([], tf.float32), first)
                     # The skip counters (a skipping policy) and, for a
                     # schedule, the updates taken (what picks the window's
@@ -287,9 +285,9 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
     @property
     def mini_step(self) -> Any:
         """int64 scalar variable: micro-steps in the current window (its
-        position) in the current graph; -1 until the first run of a train op
-        or flush (then ``micro_steps % N``). ``None`` before the optimizer
-        is built there, or for ``gradient_accumulation_steps == 1``."""
+        position) in the current graph, 0 in a fresh state. ``None`` before
+        the optimizer is built there, or for
+        ``gradient_accumulation_steps == 1``."""
         window = self._window()
         return None if window is None or window.state is None else window.state.mini_step
 
@@ -345,19 +343,19 @@ class AccumulatingOptimizer(compat.TF1Trackable, _args.Constructor, tf1.train.Op
     def get_slot(self, var: Any, name: str) -> Any:
         """``"acc_grad"`` / ``"touched_rows"``: the wrapper's accumulator / row
         tracker of ``var`` (``None`` if it has none); any other name: the
-        inner optimizer's slot (``"m"``, ``"momentum"``, ...).
+        inner optimizer's slot (``"m"``, ``"momentum"``, ...), as
+        :meth:`get_slot_names` lists them (the inner optimizer's names).
 
-        (``get_slot_names()`` lists none of them: ``tf.train.Checkpoint``
-        saves the slots it lists through the optimizer, and this wrapper's
-        state is saved as its own dependencies, the inner optimizer's by the
-        inner optimizer.)"""
+        (A ``tf.train.Checkpoint`` saves this wrapper's state as its own
+        dependencies and the inner optimizer's slots once, by the inner
+        optimizer.)"""
         if name in ("acc_grad", "touched_rows"):
             window = self._window()
             if window is None or window.state is None or var.ref() not in window.index:
                 return None
             i = window.index[var.ref()]
             return window.state.acc_grads[i] if name == "acc_grad" else window.state.rows_tracker(i)
-        return self._inner.get_slot(var, name)
+        return super().get_slot(var, name)
 
     def _checkpoint_children(self, children: dict) -> dict:
         """What ``tf.train.Checkpoint`` (eager) saves of this optimizer: the

@@ -9,10 +9,12 @@ from support.families import require
 
 require("keras2")
 
+import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import types  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -249,6 +251,71 @@ def test_tf_keras_optimizer_is_wrapped_when_tf_keras_is_not_the_active_tf_keras(
         " tf.keras.optimizers.Optimizer.__module__.split('.')[0])\n"
     )
     assert _python(code, drop_legacy_env=True) == "accum_optimizer.families.keras2 True keras"
+
+
+# ------------------------------------------------- two Keras 2 packages
+# Keras 2 is `tf_keras` or TF <= 2.15's `keras`; both can be imported in one
+# process, and each family makes one wrapper class per package (issue 17,
+# bug 7). `isinstance(w, accum_optimizer.AccumulatingOptimizer)` must hold
+# for every one of them, not only for the active package's.
+FAMILY_BASES = {
+    "keras2": lambda package: package.optimizers.Optimizer,
+    "legacy": lambda package: package.optimizers.legacy.Optimizer,
+}
+
+
+def _family_module(family):
+    return importlib.import_module(f"accum_optimizer.families.{family}")
+
+
+def _other_keras2_package():
+    """A Keras 2 package importable beside the active one (tf_keras 2.15
+    beside TF 2.15's keras), or skip: no leg of `make test` installs two."""
+    other = {"keras": "tf_keras", "tf_keras": "keras"}[PACKAGE.__name__]
+    try:
+        module = importlib.import_module(other)
+    except ImportError:
+        module = None
+    if module is None or not str(module.__version__).startswith("2."):
+        pytest.skip(f"needs a second Keras 2 package beside {PACKAGE.__name__} {PACKAGE.__version__} "
+                    f"(e.g. pip install 'tf_keras==2.15.*' in the tf215 leg)")
+    return module
+
+
+@pytest.mark.parametrize("family", ["keras2", "legacy"])
+def test_every_keras2_packages_wrapper_is_an_accumulating_optimizer(family):
+    other = _other_keras2_package()
+    inner = other.optimizers.legacy.Adam() if family == "legacy" else other.optimizers.Adam()
+    module = _family_module(family)
+    opt = AccumulatingOptimizer(inner, 2)
+    assert type(opt) is module.wrapper_class(other) and type(opt) is not module.AccumulatingOptimizer
+    assert isinstance(opt, FAMILY_BASES[family](other))  # what that package's compile accepts
+    assert isinstance(opt, AccumulatingOptimizer)
+    assert issubclass(type(opt), AccumulatingOptimizer)
+    primary = AccumulatingOptimizer(PACKAGE.optimizers.legacy.SGD() if family == "legacy" else PACKAGE.optimizers.SGD(), 2)
+    assert type(primary) is module.AccumulatingOptimizer and isinstance(primary, AccumulatingOptimizer)
+
+
+@pytest.mark.parametrize("family", ["keras2", "legacy"])
+def test_a_wrapper_class_made_for_another_keras2_package_is_an_accumulating_optimizer(family):
+    """What the test above checks, where one Keras 2 package imports (every
+    leg): the family's class for a stand-in package (its own subclass of this
+    package's optimizer base; a registry of its own) is a subclass of the
+    facade, and an instance of it an instance."""
+    base = FAMILY_BASES[family](PACKAGE)
+    own_base = type("StandInOptimizer", (base,), {})
+    registered = []
+    stand_in = types.SimpleNamespace(
+        __name__=f"stand_in_keras2_{family}",
+        optimizers=types.SimpleNamespace(Optimizer=own_base, legacy=types.SimpleNamespace(Optimizer=own_base)),
+        utils=types.SimpleNamespace(register_keras_serializable=lambda **kw: lambda c: registered.append(c) or c),
+    )
+    module = _family_module(family)
+    cls = module.wrapper_class(stand_in)
+    assert registered == [cls] and cls is not module.AccumulatingOptimizer and issubclass(cls, own_base)
+    assert issubclass(cls, AccumulatingOptimizer)
+    assert isinstance(cls.__new__(cls), AccumulatingOptimizer)  # (no inner: the class' own instance, not built)
+    assert not isinstance(own_base.__new__(own_base), AccumulatingOptimizer)
 
 
 # ------------------------------------------- a wrapper in another Keras

@@ -1,10 +1,12 @@
 """Keras 2 new API: ``fit`` between updates, the learning rate and its
 callbacks, ``fit`` (also XLA-compiled) and a LossScaleOptimizer outside
-against the large batch. (The custom-loop properties every family has are in
+against the large batch; Nadam when the first variable has no gradient in a
+window, traced. (The custom-loop properties every family has are in
 tests/contract/.)
 
 References: snapshots of the same run (bitwise); the plain optimizer trained
-by ``fit`` at batch N*B; hand-derived values.
+by ``fit`` at batch N*B, or fed each window's mean gradient (``None`` for a
+variable no micro-batch gave one) in the same mode; hand-derived values.
 """
 
 from support.families import require
@@ -163,3 +165,78 @@ def test_loss_scale_optimizer_outside_matches_its_large_batch():
     assert (int(acc_opt.inner_optimizer.micro_steps.numpy()), int(acc_opt.inner_optimizer.iterations.numpy())) == (n * windows, windows)
     assert max_abs_diff(weights(ref), weights(acc)) <= 1e-5
     assert max_abs_diff(optimizer_state(ref_opt.inner_optimizer), optimizer_state(acc_opt.inner_optimizer.inner_optimizer)) <= 1e-5
+
+
+# Which micro-steps of each window (N = 2) give the FIRST variable v0 a
+# gradient (v1 always has one): absent from a whole window (the first, at
+# the first update, and a later one), present, present then absent (the
+# window closes on a micro-step without it).
+NADAM_PATTERN = [[False, False], [True, True], [False, False], [True, False], [True, True]]
+
+
+def _nadam_windows(mode, accumulate):
+    """v0, v1 and Nadam's ``_u_product`` after each window: the wrapper (two
+    micro-step functions, with and without v0's gradient), or the plain
+    Nadam fed each window's mean gradient, ``None`` for v0 where no
+    micro-step gave one, through functions of the same two shapes."""
+    rng = np.random.default_rng(0)
+    grads = [[(rng.normal(size=2).astype("float32"), rng.normal(size=2).astype("float32")) for _ in w]
+             for w in NADAM_PATTERN]
+    v0, v1 = tf.Variable([1.0, 2.0], name="v0"), tf.Variable([3.0, 4.0], name="v1")
+    inner = o.Nadam(0.1)
+    opt = AccumulatingOptimizer(inner, 2) if accumulate else inner
+    opt.build([v0, v1])  # (a plain Keras 2 Nadam built inside tf.function never moves its _u_product)
+
+    def both(g0, g1):
+        opt.apply_gradients([(g0, v0), (g1, v1)])
+
+    def only_v1(g1):
+        opt.apply_gradients([(None, v0), (g1, v1)])
+
+    if mode == "graph":
+        both, only_v1 = tf.function(both), tf.function(only_v1)
+    states = []
+    for window, uses in zip(grads, NADAM_PATTERN):
+        if accumulate:
+            for (g0, g1), use in zip(window, uses):
+                both(tf.constant(g0), tf.constant(g1)) if use else only_v1(tf.constant(g1))
+        else:
+            g1 = tf.constant(sum(g for _, g in window) / 2)
+            if any(uses):
+                both(tf.constant(sum(g for (g, _), u in zip(window, uses) if u) / 2), g1)
+            else:
+                only_v1(g1)
+        states.append([v0.numpy(), v1.numpy()] + optimizer_state(inner))
+    return states
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist:UserWarning")
+def test_nadam_with_the_first_variable_missing_from_a_window_matches_its_large_batch_eagerly():
+    """Eagerly, every window's state (v0, v1, m, v, ``_u_product``,
+    iterations) equals the plain Nadam's fed the window's mean gradient,
+    bitwise, whichever windows the first variable misses."""
+    reference, accumulated = _nadam_windows("eager", False), _nadam_windows("eager", True)
+    for w, (ref, acc) in enumerate(zip(reference, accumulated)):
+        assert len(ref) == len(acc)
+        for i, (r, a) in enumerate(zip(ref, acc)):
+            np.testing.assert_array_equal(a, r, err_msg=f"window {w}, state entry {i}")
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist:UserWarning")
+def test_traced_nadam_with_the_first_variable_missing_at_the_first_update_stays_finite():
+    """Traced, Keras 2's Nadam advances ``_u_product`` in an ``update_step``
+    chosen by a Python counter fixed when each ``update_step`` is traced
+    (issue 17, bug 7; docs/families/keras2.md). The wrapper traces every
+    variable's update, the gated ones under a ``cond``: when the first
+    variable had no gradient in the first window, its skipped update held
+    the ``_u_product`` step and v1 divided by ``1 - _u_product = 0`` (inf).
+    Now the variables with a gradient come first: the first update equals
+    the plain traced Nadam's fed the window's mean gradient (v0 ``None``),
+    bitwise, and every later window stays finite. (Later windows may differ
+    from the plain traced Nadam, whose result depends on how many
+    ``update_step`` s were traced before; eagerly they do not, see above.)"""
+    reference, accumulated = _nadam_windows("graph", False), _nadam_windows("graph", True)
+    for i, (r, a) in enumerate(zip(reference[0], accumulated[0])):
+        np.testing.assert_array_equal(a, r, err_msg=f"first update, state entry {i}")
+    for w, acc in enumerate(accumulated):
+        assert all(np.all(np.isfinite(a)) for a in acc), f"window {w}: not finite"

@@ -154,3 +154,32 @@ def test_checkpoint_saves_inner_slots_once_and_restores_before_build(tmp_path):
     assert not fresh.optimizer.built
     fresh.optimizer.build(fresh.trainable_variables)
     assert _bitwise(_state(model, True), _state(fresh, True))
+
+
+@pytest.mark.parametrize("make_inner", [
+    lambda: L.Adam(0.05), lambda: L.SGD(0.05, momentum=0.9), lambda: L.RMSprop(0.05, momentum=0.5, centered=True),
+], ids=["Adam", "SGD-momentum", "RMSprop-centered"])
+def test_slots_read_through_the_wrapper_are_the_inner_optimizers_and_saved_once(make_inner, tmp_path):
+    """``opt.get_slot(var, name)`` and ``opt.get_slot_names()`` answer with
+    the inner optimizer's slots (issue 17, bug 4), after 5 micro-steps (an
+    update and a partial window): the same names, the same variables (so
+    the same values) for every trained variable and slot name; and a
+    ``tf.train.Checkpoint`` still saves each slot once, under the inner
+    optimizer (the layout of earlier versions, which the committed fixtures
+    pin)."""
+    x, y = R.dense_data(2 * BEFORE)
+    model = R.dense_model()
+    inner = make_inner()
+    opt = AccumulatingOptimizer(inner, N)
+    model.compile(opt, loss="mse")
+    _fit(model, x, y)
+    names = inner.get_slot_names()
+    assert names and opt.get_slot_names() == names
+    for v in model.trainable_variables:
+        for name in names:
+            assert opt.get_slot(v, name) is inner.get_slot(v, name), (v.name, name)
+            np.testing.assert_array_equal(opt.get_slot(v, name).numpy(), inner.get_slot(v, name).numpy())
+    saved = tf.train.Checkpoint(model=model, optimizer=opt).save(os.path.join(str(tmp_path), "ck"))
+    slots = [k for k, _ in tf.train.list_variables(saved) if "OPTIMIZER_SLOT" in k]
+    assert len(slots) == len(model.trainable_variables) * len(names), slots
+    assert all("/inner_optimizer/" in k for k in slots), slots

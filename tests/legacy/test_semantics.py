@@ -77,7 +77,10 @@ def test_inner_slots_reachable():
     for v_ref, v_acc in zip(ref["model"].trainable_variables, acc["model"].trainable_variables):
         for s in ("m", "v"):
             assert R.max_abs_diff([ref["inner"].get_slot(v_ref, s).numpy()], [inner.get_slot(v_acc, s).numpy()]) <= TOL
-    assert acc["opt"].get_slot_names() == []  # none forwarded: each slot is saved once
+    # Read through the wrapper too (issue 17, bug 4; saved once: tests/legacy/test_saving.py).
+    assert acc["opt"].get_slot_names() == ["m", "v"]
+    assert all(acc["opt"].get_slot(v, s) is inner.get_slot(v, s)
+               for v in acc["model"].trainable_variables for s in ("m", "v"))
 
 
 def test_config_round_trip_and_registration():

@@ -84,6 +84,74 @@ def test_state_is_non_trainable_global_and_made_at_graph_construction(mode):
         assert opt.get_slot(kernel, "m") is inner.get_slot(kernel, "m")
 
 
+@pytest.mark.parametrize("mode", ["v2", "v1", "eager"])
+def test_fresh_state_reads_as_a_fresh_optimizer_before_the_first_run(mode):
+    """A fresh optimizer's state, before any micro-step: every counter 0
+    (``micro_steps``, ``mini_step``, ``grad_received``, ``window_weight``) and
+    the accumulators 0, what a fresh optimizer holds (issue 17, bug 5: the
+    graph's ``mini_step`` read -1, the mark of state saved before it existed).
+    In a graph: after global_variables_initializer(); eagerly: after build()."""
+    init = mlp_init()
+    if mode == "eager":
+        variables = [tf.Variable(v, name=k) for k, v in init.items()]
+        opt = AccumulatingOptimizer(tf1.train.AdamOptimizer(0.01), 3)
+        opt.build(variables)
+        values = [v.numpy() for v in opt.accumulation_variables()]
+    else:
+        with control_flow(mode), tf.Graph().as_default(), tf1.Session() as sess:
+            mlp = build_mlp(init)
+            opt = AccumulatingOptimizer(tf1.train.AdamOptimizer(0.01), 3)
+            opt.minimize(mlp.loss, global_step=tf1.train.get_or_create_global_step())
+            sess.run(tf1.global_variables_initializer())
+            assert int(sess.run(opt.mini_step)) == 0
+            values = sess.run(opt.accumulation_variables())
+    names = ["micro_steps", "grad_received", "acc_grad kernel", "acc_grad bias", "mini_step", "window_weight"]
+    assert len(values) == len(names)
+    for name, value in zip(names, values):
+        np.testing.assert_array_equal(value, np.zeros_like(value), err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_slot_names_and_slots_read_through_the_wrapper_are_the_inner_optimizers(mode, tmp_path):
+    """``opt.get_slot_names()`` is the inner optimizer's list and
+    ``opt.get_slot(var, name)`` its slot, for every variable and name, after
+    4 micro-steps (an update and a partial window) (issue 17, bug 4); an
+    eager ``tf.train.Checkpoint`` still saves each slot once, under the
+    inner optimizer (the layout of earlier versions)."""
+    x, y = mlp_data(4 * 4)
+    inner = tf1.train.AdamOptimizer(0.02)
+    opt = AccumulatingOptimizer(inner, 3)
+    if mode == "graph":
+        with tf.Graph().as_default(), tf1.Session() as sess:
+            mlp = build_mlp(mlp_init())
+            train_op = opt.minimize(mlp.loss, global_step=tf1.train.get_or_create_global_step())
+            sess.run(tf1.global_variables_initializer())
+            for k in range(4):
+                sess.run(train_op, mlp.feed(x[k * 4:(k + 1) * 4], y[k * 4:(k + 1) * 4]))
+            variables = list(mlp.variables.values())
+            names = inner.get_slot_names()
+            assert names and opt.get_slot_names() == names
+            for v in variables:
+                for name in names:
+                    assert opt.get_slot(v, name) is inner.get_slot(v, name), (v.name, name)
+                    np.testing.assert_array_equal(sess.run(opt.get_slot(v, name)), sess.run(inner.get_slot(v, name)))
+        return
+    variables = [tf.Variable(v, name=k) for k, v in mlp_init().items()]
+    var_dict = dict(zip(mlp_init(), variables))
+    for k in range(4):
+        xb, yb = x[k * 4:(k + 1) * 4], y[k * 4:(k + 1) * 4]
+        opt.minimize(lambda: mlp_loss(var_dict, xb, yb), var_list=variables)
+    names = inner.get_slot_names()
+    assert names and opt.get_slot_names() == names
+    for v in variables:
+        for name in names:
+            assert opt.get_slot(v, name) is inner.get_slot(v, name), (v.name, name)
+    saved = tf.train.Checkpoint(variables=variables, optimizer=opt).save(str(tmp_path / "ck"))
+    slots = [key for key, _ in tf.train.list_variables(saved) if "OPTIMIZER_SLOT" in key]
+    assert len(slots) == len(variables) * len(names), slots
+    assert all("/inner_optimizer/" in key for key in slots), slots
+
+
 # ----------------------------------------------------------------- eager
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_eager_minimize_with_a_loss_callable_matches_the_large_batch(traced):

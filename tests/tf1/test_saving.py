@@ -133,9 +133,7 @@ def test_plain_checkpoint_restores_with_accumulators_at_zero(tmp_path):
         tf1.train.Saver(opt.non_accumulation_variables()).restore(sess, path)
         assert_bitwise(model_and_inner_state(sess, mlp, inner, global_step), saved)
         for v in opt.accumulation_variables():
-            # mini_step starts "unknown" (-1); the first run makes it
-            # micro_steps % N = 0 (the core's resume position).
-            np.testing.assert_array_equal(sess.run(v), -1 if v is opt.mini_step else 0, err_msg=v.name)
+            np.testing.assert_array_equal(sess.run(v), 0, err_msg=v.name)
         _run(sess, mlp, train_op, x, y, range(2 * N, 4 * N), B)
         actual = model_and_inner_state(sess, mlp, inner, global_step)
     assert_close(actual, expected, tol=1e-5)
