@@ -212,7 +212,7 @@ class Unconfigurable:
 
 
 @pytest.mark.windows
-@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+@pytest.mark.parametrize("family, case", params(FAMILIES, _configs))
 def test_registered_schedule_object_round_trips_and_resumes_bitwise(family, case, tmp_path):
     """A registered schedule object survives get_config -> JSON -> from_config
     and ``keras.optimizers.serialize``/``deserialize`` as an equal object;
@@ -254,7 +254,7 @@ def test_registered_schedule_object_round_trips_and_resumes_bitwise(family, case
 
 
 @pytest.mark.windows
-@pytest.mark.parametrize("family, case", params(FAMILIES, _schedules))
+@pytest.mark.parametrize("family, case", params(FAMILIES, _configs))
 def test_unsaveable_schedule_object_gets_a_clear_error(family, case):
     """An unregistered schedule object, or one without get_config, refuses get_config with a message naming the argument, the
     value and what is accepted (not Keras' AttributeError on ``__name__``)."""
