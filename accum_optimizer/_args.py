@@ -164,21 +164,24 @@ WIDENED_DTYPES = ("float16", "bfloat16")
 running sum stalls: in bfloat16, 256 + 1 = 256)."""
 
 
-def accumulator_dtype_for(variable_dtype: str, accumulator_dtype: str | None) -> str:
+def accumulator_dtype_for(variable_dtype: str, accumulator_dtype: str | None, widen: bool = True) -> str:
     """The dtype of a variable's accumulator (names: ``"float16"``):
-    ``accumulator_dtype`` if given, else float32 for :data:`WIDENED_DTYPES`,
-    else the variable's own."""
+    ``accumulator_dtype`` if given, else (``widen``) float32 for
+    :data:`WIDENED_DTYPES`, else the variable's own. The Keras 2, legacy and
+    TF1 families do not widen by default: their accumulators always had the
+    variable's dtype, and a checkpoint holding a float16 accumulator does not
+    restore into a float32 one."""
     if accumulator_dtype is not None:
         return accumulator_dtype
-    return "float32" if variable_dtype in WIDENED_DTYPES else variable_dtype
+    return "float32" if widen and variable_dtype in WIDENED_DTYPES else variable_dtype
 
 
 def bad_accumulator_dtype(value: Any) -> ValueError:
     """The error for an ``accumulator_dtype`` that is not ``None`` or a float dtype."""
     return ValueError(
-        "`accumulator_dtype` must be None (float32 for float16/bfloat16 "
-        "variables, the variable's dtype otherwise) or a float dtype such "
-        f"as 'float32'. Received: accumulator_dtype={value!r}."
+        "`accumulator_dtype` must be None (the default: the variable's dtype; "
+        "float32 for float16/bfloat16 variables in the Keras 3 family) or a float "
+        f"dtype such as 'float32'. Received: accumulator_dtype={value!r}."
     )
 
 

@@ -106,9 +106,11 @@ class PerPackage:
 
     def _accumulator_dtype(self, variable: Any) -> str:
         """The accumulator's dtype for ``variable`` (by its ``true_dtype``
-        under a mixed-precision policy)."""
+        under a mixed-precision policy): by default the variable's, as in
+        earlier versions, whose checkpoints must restore (a float16
+        accumulator does not restore into a float32 one)."""
         dtype = getattr(variable, "true_dtype", variable.dtype)
-        return _args.accumulator_dtype_for(dtype.base_dtype.name, self.accumulator_dtype)
+        return _args.accumulator_dtype_for(dtype.base_dtype.name, self.accumulator_dtype, widen=False)
 
     def _numerics_config(self) -> dict:
         return {"nonfinite": self.nonfinite, "accumulator_dtype": self.accumulator_dtype}

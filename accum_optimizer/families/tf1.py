@@ -59,8 +59,9 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         nonfinite: ``"propagate"`` (default), ``"skip_micro_step"``,
             ``"skip_window"``: the Keras 3 family's policies (counted in
             :attr:`skipped_micro_steps`, :attr:`skipped_windows`).
-        accumulator_dtype: as in Keras 3: ``None`` (float32 for 16-bit
-            variables, else the variable's dtype) or a float dtype.
+        accumulator_dtype: ``None`` (each variable's dtype, as the
+            accumulators of earlier versions, so that their checkpoints
+            restore) or a float dtype (``"float32"`` for 16-bit variables).
 
     State (created at graph construction, by the first
     ``apply_gradients``/``minimize`` or by :meth:`build`; non-trainable
@@ -225,7 +226,7 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
                     )
                 accs, trackers = [], []
                 for i, v in enumerate(var_list):
-                    dtype = _args.accumulator_dtype_for(v.dtype.base_dtype.name, self.accumulator_dtype)
+                    dtype = _args.accumulator_dtype_for(v.dtype.base_dtype.name, self.accumulator_dtype, widen=False)
                     with tf.name_scope(f"{graph.op_name(v)}/{self.get_name()}/"):
                         accs.append(self._own_variable("acc_grad", tf.zeros(v.shape, dtype), v, slot=("acc_grad", i)))
                         tracker = None

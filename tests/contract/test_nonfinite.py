@@ -145,6 +145,11 @@ NARROW = -np.float16(np.float16(2048.0) / np.float16(len(GRADS_16)))
 def test_float16_variables_accumulate_in_float32_and_cast_once_per_update(family, case, accumulator_dtype,
                                                                            expected, acc_dtype):
     assert WIDE != NARROW  # the float16 accumulator stalls: the check can fail
+    if accumulator_dtype is None and family != "keras3":
+        # The Keras 2, legacy and TF1 families keep the variable's dtype by
+        # default (their checkpoints hold such accumulators: a float16 one
+        # does not restore into float32); float32 is asked for explicitly.
+        expected, acc_dtype = NARROW, "float16"
     t = driver(family).vectors([[0.0, 0.0]], Inner("sgd", 1.0), n=4, dtype="float16",
                                accumulator_dtype=accumulator_dtype)
     for g in GRADS_16:

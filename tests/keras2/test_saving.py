@@ -319,3 +319,31 @@ def test_fresh_process_import_registers_the_wrapper_and_load_model_needs_nothing
         f"True {SAVE_AT}",
         "True unbuilt",
     ]
+
+
+@pytest.mark.parametrize("api", ["new", "legacy"])
+def test_float16_accumulators_of_earlier_versions_restore_into_the_default_wrapper(api, tmp_path):
+    """Earlier versions gave a float16 variable a float16 accumulator in the
+    Keras 2 and legacy families; the default (``accumulator_dtype=None``)
+    keeps doing so, so a checkpoint saved mid-window by them restores, with
+    the window's sum, bitwise (a float16 value does not restore into a
+    float32 variable: RestoreV2 refuses the dtype)."""
+    sgd = keras.optimizers.SGD if api == "new" else keras.optimizers.legacy.SGD
+
+    def wrapper(v, **kwargs):
+        opt = AccumulatingOptimizer(sgd(0.5), 2, **kwargs)
+        opt.build([v])
+        return opt
+
+    v = tf.Variable(np.array([1.0, 2.0], np.float16))
+    old = wrapper(v, accumulator_dtype="float16")  # the layout earlier versions saved
+    old.apply_gradients([(tf.constant([0.25, -0.5], tf.float16), v)])
+    path = tf.train.Checkpoint(opt=old, v=v).write(str(tmp_path / "ckpt"))
+
+    v2 = tf.Variable(np.array([1.0, 2.0], np.float16))
+    new = wrapper(v2)
+    tf.train.Checkpoint(opt=new, v=v2).read(path).assert_existing_objects_matched()
+    new.apply_gradients([(tf.constant([0.25, 0.5], tf.float16), v2)])  # closes the window
+    old.apply_gradients([(tf.constant([0.25, 0.5], tf.float16), v)])
+    np.testing.assert_array_equal(v2.numpy(), v.numpy())
+    np.testing.assert_array_equal(v.numpy(), np.float16([1.0, 2.0]) - np.float16(0.5) * np.float16([0.25, 0.0]))
