@@ -328,14 +328,31 @@ def _gradient_shape(value: Any) -> tuple | None:
 
 
 def as_gradients(grads: Sequence[Any], variables: Sequence[Any]) -> list:
-    """Gradients as the inner optimizer takes them: tensors,
-    ``tf.IndexedSlices`` and ``None`` as they are, anything else (NumPy
-    arrays, Python lists) converted to a tensor of its variable's dtype."""
-    return [
-        g if g is None or isinstance(g, (tf.IndexedSlices, tf.Variable)) or tf.is_tensor(g) or hasattr(g, "dense_shape")
-        else tf.convert_to_tensor(g, dtype=v.dtype)
-        for g, v in zip(grads, variables)
-    ]
+    """Gradients as the inner optimizer takes them: tensors and ``None`` as
+    they are; a ``tf.IndexedSlices`` with its parts as tensors (NumPy values
+    and indices, which ``OptimizerV2`` accepts, converted: values in the
+    variable's dtype, indices and ``dense_shape`` as integer tensors);
+    anything else (NumPy arrays, Python lists) converted to a tensor of its
+    variable's dtype."""
+    return [_as_gradient(g, v) for g, v in zip(grads, variables)]
+
+
+def _as_gradient(g: Any, v: Any) -> Any:
+    if isinstance(g, tf.IndexedSlices):
+        if tf.is_tensor(g.values) and tf.is_tensor(g.indices):
+            return g
+        shape = g.dense_shape
+        return tf.IndexedSlices(
+            _as_tensor(g.values, v.dtype), tf.convert_to_tensor(g.indices),
+            None if shape is None else tf.convert_to_tensor(shape),
+        )
+    if g is None or isinstance(g, tf.Variable) or tf.is_tensor(g) or hasattr(g, "dense_shape"):
+        return g
+    return tf.convert_to_tensor(g, dtype=v.dtype)
+
+
+def _as_tensor(value: Any, dtype: Any) -> Any:
+    return value if tf.is_tensor(value) else tf.convert_to_tensor(value, dtype=tf.as_dtype(dtype).base_dtype)
 
 
 def no_gradients(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> None:

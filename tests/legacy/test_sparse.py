@@ -184,3 +184,38 @@ def test_sparse_weighted_windows_and_flush_equal_the_large_batches(inner_fn):
     table = model.trainable_variables[0].numpy()
     np.testing.assert_array_equal(table[8:], embedding_model(0).trainable_variables[0].numpy()[8:])
 
+
+
+def _numpy_slices(rows, values):
+    """A ``tf.IndexedSlices`` whose parts are NumPy arrays (which
+    ``OptimizerV2.apply_gradients`` accepts)."""
+    return tf.IndexedSlices(np.asarray(values, np.float32), np.asarray(rows, np.int64), np.array([6, 2], np.int64))
+
+
+# Three micro-steps' gradients of a (6, 2) table, touching rows 1, 3 and 1 again.
+NUMPY_MICRO_GRADS = [([1, 3], [[1.0, 2.0], [3.0, 4.0]]), ([3], [[0.5, -1.0]]), ([1, 4], [[-2.0, 1.0], [1.0, 1.0]])]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_indexed_slices_with_numpy_parts_train_like_the_plain_optimizer(n):
+    """Issue 22, item 4 (crashed at N > 1 in the accumulation's cast).
+    Reference: the plain optimizer given the same NumPy slices (N = 1,
+    bitwise), or, for N = 3, the large batch's gradient: the three
+    micro-steps' slices concatenated, values divided by 3 (the window mean;
+    the plain optimizer sums duplicate rows)."""
+    initial = np.arange(12, dtype=np.float32).reshape(6, 2) / 10
+    ref_var, acc_var = tf.Variable(initial), tf.Variable(initial)
+    ref, acc = L.Adam(0.1), AccumulatingOptimizer(L.Adam(0.1), n)
+    for rows, values in NUMPY_MICRO_GRADS:
+        acc.apply_gradients([(_numpy_slices(rows, values), acc_var)])
+        if n == 1:
+            ref.apply_gradients([(_numpy_slices(rows, values), ref_var)])
+    if n == 1:
+        np.testing.assert_array_equal(acc_var.numpy(), ref_var.numpy())
+    else:
+        rows = np.concatenate([r for r, _ in NUMPY_MICRO_GRADS])
+        values = np.concatenate([np.asarray(v, np.float32) for _, v in NUMPY_MICRO_GRADS]) / 3
+        ref.apply_gradients([(_numpy_slices(rows, values), ref_var)])
+        np.testing.assert_allclose(acc_var.numpy(), ref_var.numpy(), rtol=0, atol=TOL)
+        assert int(acc.iterations.numpy()) == 1
+    assert not np.array_equal(acc_var.numpy(), initial)
