@@ -126,4 +126,8 @@ def __getattr__(name: str) -> Any:
         if name == "CountedLoss":
             return keras2_windows.counted_loss_class(package)
         return keras2_windows.flush_partial_window_class(package)
+    if name == "AverageModelCheckpoint":  # tensorflow-addons' callback, for the wrapper
+        from accum_optimizer._compat import keras2 as keras2_compat
+
+        return keras2_compat.average_model_checkpoint_class(_dispatch.loaded_wrappers)
     raise AttributeError(f"module 'accum_optimizer' has no attribute {name!r}")

@@ -442,6 +442,7 @@ class Constructor:
         super().__init__(**self._base_arguments(args))
         self.__dict__["_gradient_accumulation_steps"] = steps
         self._init_state(args)
+        self.__dict__["_constructed"] = True  # (from now on, settings of the inner are forwarded)
         _WRAPPERS[id(inner)] = (weakref.ref(inner), weakref.ref(self))
 
     def __repr__(self) -> str:
@@ -516,3 +517,32 @@ class Constructor:
 
     def _init_state(self, args: Arguments) -> None:
         raise NotImplementedError
+
+
+# ------------------------------------------- the inner optimizer's settings
+def forwarded(name: str, writable: bool = True) -> property:
+    """A property answered by the inner optimizer (``AttributeError`` where it
+    has no such attribute, so ``hasattr`` tells the truth). Before the inner
+    optimizer is set (inside the framework base class' ``__init__``), values
+    are kept aside and never reach it: they are the base class' defaults for
+    the wrapper."""
+
+    def fget(self: Any) -> Any:
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None:
+            try:
+                return self.__dict__["_before_inner"][name]
+            except KeyError:
+                raise AttributeError(name) from None
+        return getattr(inner, name)
+
+    def fset(self: Any, value: Any) -> None:
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None:
+            self.__dict__.setdefault("_before_inner", {})[name] = value
+        elif writable:
+            setattr(inner, name, value)
+        else:
+            raise AttributeError(f"`{name}` belongs to the inner optimizer; set it there.")
+
+    return property(fget, fset, doc=f"The inner optimizer's ``{name}``.")

@@ -125,3 +125,55 @@ def model_up_the_stack(optimizer: Any, model_class: type) -> Any:
                     return value
         frame = frame.f_back
     return None
+
+
+# ----------------------------------------- the inner optimizer's settings
+#: The types of an inner optimizer's plain settings (Adam's ``epsilon``,
+#: ``amsgrad``, SGD's ``nesterov``) that :class:`ForwardsSettings` forwards.
+PLAIN_SETTINGS = (bool, int, float)
+
+
+class ForwardsSettings:
+    """Mixin (placed before the framework's optimizer class, whose
+    ``__setattr__``/``__getattr__`` it overrides: here, in the fence): the
+    inner optimizer's hyperparameters and plain settings read
+    and assigned through the wrapper (``opt.beta_1``, ``opt.epsilon``,
+    ``opt.amsgrad = True``), as user code and tests do on the optimizer they
+    compiled with.
+
+    A name is forwarded when it is public, not the wrapper's own (neither an
+    attribute of its instance nor of its class) and is, on the inner
+    optimizer, one of :meth:`_inner_hyperparameters` (Keras 2's legacy
+    ``_hyper`` names) or an instance attribute holding a ``bool``, ``int`` or
+    ``float``. The inner optimizer's variables, slots and methods are not
+    forwarded (call them on ``inner_optimizer``). Assignments are forwarded
+    only after construction, so the wrapper's own attributes never reach the
+    inner optimizer."""
+
+    def _inner_hyperparameters(self) -> Any:
+        """The inner optimizer's hyperparameter names (a container)."""
+        return ()
+
+    def _inner_setting(self, name: str) -> Any:
+        """The inner optimizer if ``name`` is one of its forwarded settings, else ``None``."""
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or name.startswith("_") or name in self.__dict__ or hasattr(type(self), name):
+            return None
+        if name in self._inner_hyperparameters():
+            return inner
+        value = getattr(inner, "__dict__", {}).get(name)
+        return inner if type(value) in PLAIN_SETTINGS else None
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only where the normal lookup (and the framework's own) failed.
+        inner = self._inner_setting(name) if not name.startswith("_") else None
+        if inner is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self._inner_setting(name) if self.__dict__.get("_constructed") else None
+        if inner is not None:
+            setattr(inner, name, value)
+        else:
+            super().__setattr__(name, value)

@@ -8,6 +8,7 @@ on tf_keras 2.21 (TF 2.21) and Keras 2.15 (TF 2.15.1, tensorflow-addons
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Sequence
 
@@ -278,17 +279,22 @@ def losses_utils(package: Any) -> Any:
 OPTIMIZER_V2 = private(
     "<keras2>.optimizers.legacy.Optimizer (optimizer_v2): _var_key (module function), "
     "_create_all_weights, _weights, _hypers_created, _track_trackable, "
-    "_distribution_strategy_scope, _HAS_AGGREGATE_GRAD",
+    "_distribution_strategy_scope, _HAS_AGGREGATE_GRAD, _hyper, _get_hyper, _set_hyper, "
+    "_compute_gradients",
     "tf_keras",
     "the key OptimizerV2 indexes slots by (the distributed container's for a replica's "
     "component); the hook that creates an optimizer's slots and hyperparameters (Keras 2 calls it "
     "to load .h5 optimizer weights, and the wrapper calls it on its inner optimizer at build); "
     "the list `weights` returns; the flag saying hyperparameters exist (the wrapper has none); "
     "tracking the inner optimizer as a checkpoint dependency; the strategy scope the optimizer "
-    "was created in; whether apply_gradients aggregates (the wrapper passes the flag through)",
+    "was created in; whether apply_gradients aggregates (the wrapper passes the flag through); the "
+    "hyperparameters and their reader and writer (read and assigned through the wrapper, as on "
+    "the optimizer compiled with, they reach the inner optimizer's); the gradient computation of "
+    "minimize (the wrapper's minimize takes decay_var_list and weight, which OptimizerV2's drops)",
     CHECKED,
     lambda p: (_module_of(p.optimizers.legacy.Optimizer)._var_key,) + attributes(
-        p.optimizers.legacy.Optimizer, "_create_all_weights", "_distribution_strategy_scope", "_track_trackable"),
+        p.optimizers.legacy.Optimizer, "_create_all_weights", "_distribution_strategy_scope", "_track_trackable",
+        "_get_hyper", "_set_hyper", "_compute_gradients"),
 )
 
 
@@ -306,8 +312,20 @@ def legacy_adopt(optimizer: Any, inner: Any) -> None:
     optimizer._track_trackable(inner, "inner_optimizer")
 
 
+def legacy_hyperparameter_names(optimizer: Any) -> Any:
+    """The names of ``optimizer``'s hyperparameters (``_hyper``: ``beta_1``,
+    ``learning_rate``, ``decay``, ...); empty for ``None``."""
+    return getattr(optimizer, "_hyper", {}).keys() if optimizer is not None else ()
+
+
 def legacy_create_all_weights(optimizer: Any, var_list: Sequence[Any]) -> None:
     optimizer._create_all_weights(list(var_list))
+
+
+def legacy_compute_gradients(optimizer: Any, loss: Any, var_list: Any, grad_loss: Any, tape: Any) -> list:
+    """``(gradient, variable)`` pairs of ``loss``, as ``OptimizerV2.minimize``
+    computes them (``loss`` a callable, or a tensor with its ``tape``)."""
+    return optimizer._compute_gradients(loss, var_list=var_list, grad_loss=grad_loss, tape=tape)
 
 
 def legacy_own_weights(optimizer: Any) -> list:
@@ -340,6 +358,18 @@ class LegacyHooks:
 
     def _create_all_weights(self, var_list: Sequence[Any]) -> None:
         self.build(var_list)
+
+    # The wrapper has no hyperparameters of its own: `_get_hyper`/`_set_hyper`
+    # (which user code and Keras 2's own tests call on the optimizer they
+    # compiled with) reach the inner optimizer's.
+    def _get_hyper(self, name: str, dtype: Any = None) -> Any:
+        return self.inner_optimizer._get_hyper(name, dtype)
+
+    def _set_hyper(self, name: str, value: Any) -> None:
+        self.inner_optimizer._set_hyper(name, value)
+
+    def _inner_hyperparameters(self) -> Any:
+        return legacy_hyperparameter_names(self.__dict__.get("inner_optimizer"))
 
     def _create_slots(self, var_list: Any) -> None:
         raise RuntimeError(self._WRAP_OUTSIDE.format(hook="_create_slots"))
@@ -406,3 +436,61 @@ def _none(_: Any) -> None:
 
 def _noop() -> None:
     return None
+
+
+# ------------------------------------------------------ tensorflow-addons
+TFA_AVERAGE_CHECKPOINT = private(
+    "tensorflow_addons.callbacks.AverageModelCheckpoint._get_optimizer",
+    "tensorflow-addons",
+    "the hook by which tfa's AverageModelCheckpoint finds the MovingAverage/SWA optimizer it "
+    "saves the averages of (it unwraps a LossScaleOptimizer by its type name, nothing else, and "
+    "refuses the model when the result is not an AveragedOptimizerWrapper); the subclass "
+    "overrides it to unwrap AccumulatingOptimizer too. tfa has no public route (end of life at 0.23)",
+    "tensorflow-addons 0.23.0 (TF 2.15.1, Keras 2.15)",
+    lambda tfa: attributes(tfa.callbacks.AverageModelCheckpoint, "_get_optimizer", "set_model"),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def average_model_checkpoint_class(wrapper_types: Callable[[], tuple]) -> type:
+    """tensorflow-addons' ``AverageModelCheckpoint``, subclassed to find the
+    ``MovingAverage``/``SWA`` optimizer inside an ``AccumulatingOptimizer``
+    (instances of ``wrapper_types()``).
+
+    Raises:
+        ImportError: tensorflow-addons is not installed.
+    """
+    try:
+        import tensorflow_addons as tfa
+    except ImportError:
+        raise ImportError(
+            "accum_optimizer.AverageModelCheckpoint is tensorflow-addons' AverageModelCheckpoint for "
+            "an AccumulatingOptimizer around tfa's MovingAverage or SWA; it needs tensorflow-addons "
+            "(pip install 'accum_optimizer[addons]')."
+        ) from None
+    require(TFA_AVERAGE_CHECKPOINT, tfa)
+    averaged = tfa.optimizers.AveragedOptimizerWrapper
+
+    class AverageModelCheckpoint(tfa.callbacks.AverageModelCheckpoint):
+        """``tfa.callbacks.AverageModelCheckpoint`` for
+        ``AccumulatingOptimizer(tfa.optimizers.MovingAverage(...), N)`` (or
+        ``SWA``), with or without the ``LossScaleOptimizer`` that
+        ``mixed_float16`` puts outside: the same arguments and behaviour
+        (it saves, and with ``update_weights=True`` assigns, the averages the
+        inner ``MovingAverage``/``SWA`` keeps, one average step per update).
+        tfa's own callback refuses the model: it finds only a
+        ``MovingAverage``/``SWA`` that is ``model.optimizer`` itself.
+
+        Raises:
+            TypeError: (at ``fit``) the model's optimizer holds no
+                ``MovingAverage``/``SWA`` (tfa's message).
+        """
+
+        def _get_optimizer(self) -> Any:
+            optimizer = super()._get_optimizer()
+            while not isinstance(optimizer, averaged) and isinstance(optimizer, wrapper_types()):
+                optimizer = optimizer.inner_optimizer
+            return optimizer
+
+    AverageModelCheckpoint.__module__ = "accum_optimizer"
+    return AverageModelCheckpoint

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from accum_optimizer import _args, core
+from accum_optimizer import _args, _compat, core
 from accum_optimizer._packages import active_keras, keras2_packages
 from accum_optimizer.families._tf import validate_accumulator_dtype
 
@@ -81,10 +81,12 @@ def by_registered_name(package: Any, config: Any, custom_objects: Any = None) ->
     return renamed
 
 
-class PerPackage:
+class PerPackage(_compat.ForwardsSettings):
     """Mixin: an inner optimizer of another imported Keras 2 package than the
     class' own (``tf_keras`` beside TF 2.15's ``keras``) gets that package's
-    wrapper class."""
+    wrapper class. The inner optimizer's settings (clipping, hyperparameters)
+    read and assigned through the wrapper reach the inner optimizer
+    (:class:`accum_optimizer._compat.ForwardsSettings`)."""
 
     _keras: Any = None  # the class' Keras 2 package (set by `wrapper_classes`)
     # Keras 2 restores checkpoints lazily and by name: `mini_step` starts
@@ -145,6 +147,13 @@ class PerPackage:
 
     def _inner_example(self) -> str:
         return f"{self._keras.__name__}.{self._API}.Adam"
+
+    # The inner optimizer clips the window gradient at each update; the
+    # wrapper never clips (its base class' own clip settings would be unused
+    # defaults).
+    clipnorm = _args.forwarded("clipnorm")
+    global_clipnorm = _args.forwarded("global_clipnorm")
+    clipvalue = _args.forwarded("clipvalue")
 
     @property
     def lr(self) -> Any:

@@ -33,12 +33,14 @@ import tensorflow as tf
 
 from accum_optimizer import _args, core, counting
 from accum_optimizer._compat import tf as tf_compat
+from accum_optimizer.families._tf1_graph import TF1Backend
 from accum_optimizer.families._tf import (
     TFBackend,
     as_gradients,
     check_gradient_shapes,
     check_strategy,
     check_weight,
+    control_inputs,
     local_value,
     no_gradients,
     shape_checked,
@@ -86,6 +88,30 @@ class TF2Backend(TFBackend):
 
     def scattered(self, variable: Any) -> None:
         tf_compat.disable_copy_on_read(variable)
+
+
+class TF2GraphBackend(TF1Backend, TF2Backend):
+    """The TF2 families' backend in a ``tf.compat.v1`` graph (legacy
+    optimizers in TF1-style code, Keras 2's graph-mode ``fit``), where no op
+    runs unless fetched: every write returns its op, ordered explicitly, and
+    the micro-step's op groups them (:class:`TF1Backend`)."""
+
+
+def in_v1_graph() -> bool:
+    """Building a ``tf.compat.v1`` graph (not eagerly, not inside a
+    ``tf.function``): nothing runs that is not fetched or ordered."""
+    return not tf.executing_eagerly() and not tf.inside_function()
+
+
+def step_op(parts: Any, name: str | None = None) -> Any:
+    """The op of one micro-step or flush, made of ``parts`` (the ops and
+    outputs it made): ``None`` eagerly; inside a ``tf.function`` an op (the
+    writes are ordered by automatic control dependencies), so that a caller
+    that returns an op from a ``cond`` branch (Keras 2's
+    ``LossScaleOptimizer``) gets one."""
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*control_inputs(parts), name=name)
 
 
 class Accumulating(_args.Constructor):
@@ -219,6 +245,8 @@ class Accumulating(_args.Constructor):
         )
 
     def _backend(self) -> TF2Backend:
+        if in_v1_graph():
+            return TF2GraphBackend(self._apply_inner)
         return TF2Backend(self._apply_inner)
 
     def _weighted(self, weight: Any, replicas: int) -> bool:
@@ -260,10 +288,12 @@ class Accumulating(_args.Constructor):
             full[self._index_of(v)] = g
         return full
 
-    def _take_micro_step(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any) -> None:
+    def _take_micro_step(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any,
+                         name: str | None = None) -> Any:
         """One micro-step of ``grads`` for ``variables`` (any order, a
         subset of the build's): checked, the optimizer built on first use,
-        then the pass-through or the window.
+        then the pass-through or the window. Returns its op (``name``)
+        where a graph is built, ``None`` eagerly (:func:`step_op`).
 
         Raises:
             ValueError: a gradient's shape differs from its variable's, every
@@ -279,9 +309,8 @@ class Accumulating(_args.Constructor):
             self._build_on_first_use(variables)
         self._check_known(variables)
         if not self._accumulates:
-            self._pass_through(grads, variables, weight)
-        else:
-            self._enter_window(self._in_build_order(grads, variables), weight)
+            return step_op(self._pass_through(grads, variables, weight), name)
+        return step_op(self._enter_window(self._in_build_order(grads, variables), weight), name)
 
     def _before_micro_step(self, grads: list, variables: list) -> None:
         """The family's own checks or warnings of a micro-step's gradients."""
@@ -290,14 +319,14 @@ class Accumulating(_args.Constructor):
         with tf.init_scope():
             self.build(variables)
 
-    def _pass_through(self, grads: list, variables: list, weight: Any) -> None:
+    def _pass_through(self, grads: list, variables: list, weight: Any) -> Any:
         """N = 1: the inner update with this micro-step's gradients."""
-        core.pass_through(
+        return core.pass_through(
             self._backend(), self.micro_steps, grads,
             lambda g: self._update_inner(g, variables), self.reduction, weight,
         )
 
-    def _enter_window(self, grads: list, weight: Any = None) -> None:
+    def _enter_window(self, grads: list, weight: Any = None) -> Any:
         """Take one micro-step with ``grads`` (build order), in replica context.
 
         Under any strategy the ``cond`` that picks update steps runs in
@@ -315,38 +344,43 @@ class Accumulating(_args.Constructor):
         """
         checked = shape_checked(grads, self._build_order, variable_name)
         if not tf.distribute.has_strategy():
-            self._micro_step(checked, core.ONE_REPLICA, weight)
-            return
-        tf.distribute.get_replica_context().merge_call(
+            return self._micro_step(checked, core.ONE_REPLICA, weight)
+        return tf.distribute.get_replica_context().merge_call(
             self._cross_replica_step, args=(checked,), kwargs={"weight": weight}
         )
 
-    def _cross_replica_step(self, distribution: Any, grads: list, finite: Any = None, weight: Any = None) -> None:
+    def _cross_replica_step(self, distribution: Any, grads: list, finite: Any = None, weight: Any = None) -> Any:
         # Once, in cross-replica context, for all replicas (`grads` holds
         # per-replica values; which are None is the same in every replica).
-        self._micro_step(grads, replicas_of(distribution), weight, finite)
+        return self._micro_step(grads, replicas_of(distribution), weight, finite)
 
-    def _micro_step(self, grads: list, replicas: core.Replicas, weight: Any = None, finite: Any = None) -> None:
+    def _micro_step(self, grads: list, replicas: core.Replicas, weight: Any = None, finite: Any = None) -> list:
+        """The window's micro-step; returns the ops and outputs it made (what
+        :func:`step_op` groups in a graph)."""
         trackers = self.__dict__.get("_row_trackers") or []
         for i, g in enumerate(grads):  # remembered across traces (see `_window_state`)
             if i < len(trackers) and trackers[i] is not None and isinstance(local_value(g), tf.IndexedSlices):
                 self.__dict__.setdefault("_sparse_seen", set()).add(i)
         b, state = self._backend(), self._window_state()
         rules = self._rules(self._weighted(weight, replicas.count))
+        resumed = None
         if self._resumes_position:
             with b.after(grads):
-                core.resume_position(b, state, rules, replicas=replicas)
-        core.micro_step(b, state, rules, grads, replicas=replicas, weight=weight, finite=finite)
+                resumed = core.resume_position(b, state, rules, replicas=replicas)
+        with b.after(resumed):  # (explicit in a v1 graph; automatic in a tf.function)
+            out = core.micro_step(b, state, rules, grads, replicas=replicas, weight=weight, finite=finite)
+        return [*getattr(b, "made", ()), resumed, out]
 
     # --------------------------------------------------------- the update
-    def _apply_inner(self, window_grads: list, gates: dict) -> None:
+    def _apply_inner(self, window_grads: list, gates: dict) -> Any:
         with self._gated(gates):
-            self._update_inner(window_grads, self._build_order)
+            applied = self._update_inner(window_grads, self._build_order)
         # The inner optimizer scatter-updated the variables of sparse
         # windows: keep their next reads (the forward passes) from copying.
         for g, v in zip(window_grads, self._build_order):
             if isinstance(g, tf.IndexedSlices):
                 tf_compat.disable_copy_on_read(v)
+        return applied  # (its op, ordered by the caller in a v1 graph)
 
     @contextlib.contextmanager
     def _gated(self, gates: dict):
@@ -390,7 +424,7 @@ class Accumulating(_args.Constructor):
 
     # ------------------------------------------------------ partial window
     @tf.autograph.experimental.do_not_convert
-    def flush(self) -> None:
+    def flush(self) -> Any:
         """Apply the current, partial window now as one update, if it holds
         at least one micro-step; a no-op on an empty window.
 
@@ -410,12 +444,18 @@ class Accumulating(_args.Constructor):
         its closing micro-step would; a window whose counts sum to 0 applies
         nothing.
 
+        Returns:
+            In a ``tf.compat.v1`` graph (TF1-style code, where nothing runs
+            unless fetched): the op that flushes, to ``sess.run`` at the end
+            of an epoch (as the TF1 family's ``flush``). Otherwise ``None``:
+            the flush has run.
+
         Raises:
             ValueError: called inside ``strategy.run`` (replica context), or
                 before the optimizer is built.
         """
         if not self._accumulates:
-            return
+            return tf.no_op() if in_v1_graph() else None
         if not self._window_built():
             raise ValueError(
                 "AccumulatingOptimizer.flush() before the optimizer is built: it holds no "
@@ -428,6 +468,9 @@ class Accumulating(_args.Constructor):
                 "AccumulatingOptimizer.flush() must be called in cross-replica "
                 "context (outside strategy.run), like model.fit."
             )
+        if in_v1_graph():
+            with strategy_scope(self):
+                return step_op(self._flush_step())
         function = self.__dict__.get("_flush_function")
         if function is None:
             # (One function per optimizer: tf.function's retracing warning
@@ -437,22 +480,24 @@ class Accumulating(_args.Constructor):
         with strategy_scope(self):
             function()
 
-    def _flush_step(self) -> None:
+    def _flush_step(self) -> Any:
         if not tf.distribute.has_strategy():
-            self._flush_window(core.ONE_REPLICA)
-            return
-        tf.distribute.get_strategy().run(
+            return self._flush_window(core.ONE_REPLICA)
+        return tf.distribute.get_strategy().run(
             lambda: tf.distribute.get_replica_context().merge_call(
                 lambda d: self._flush_window(replicas_of(d))
             )
         )
 
-    def _flush_window(self, replicas: core.Replicas) -> None:
+    def _flush_window(self, replicas: core.Replicas) -> list:
         b, state = self._backend(), self._window_state()
         rules = self._rules(bool(self.__dict__.get("_weights_seen")))
+        resumed = None
         if self._resumes_position:
-            core.resume_position(b, state, rules, replicas=replicas)
-        core.flush(b, state, rules, replicas=replicas)
+            resumed = core.resume_position(b, state, rules, replicas=replicas)
+        with b.after(resumed):
+            out = core.flush(b, state, rules, replicas=replicas)
+        return [*getattr(b, "made", ()), resumed, out]
 
     def _remember_strategy(self) -> None:
         """The strategy in scope at construction (the default strategy if

@@ -45,7 +45,11 @@ class FlushAtEpochEnd:
         opt = self._optimizer()
         if not self._flushed and opt._window_built():  # (unbuilt: no step taken, no window)
             self._flushed = True
-            opt.flush()
+            self._run_flush(opt)
+
+    def _run_flush(self, opt: Any) -> None:
+        """Flush ``opt`` (the family's callback may run it otherwise)."""
+        opt.flush()
 
     def _optimizer(self) -> Any:
         from accum_optimizer import AccumulatingOptimizer

@@ -74,7 +74,10 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
       it existed resumes exactly. ``mini_step`` and ``window_weight`` come
       last in :attr:`variables`, after the inner optimizer's.
     * ``lr`` (what Keras 2's ``LearningRateScheduler`` and
-      ``ReduceLROnPlateau`` read and assign) forwards to the inner optimizer.
+      ``ReduceLROnPlateau`` read and assign) forwards to the inner optimizer,
+      as do its clip settings, EMA and weight decay settings and
+      hyperparameters (``opt.beta_1``, ``opt.epsilon``: read and assigned,
+      :class:`accum_optimizer._compat.ForwardsSettings`).
     * A variable with no gradient in the whole window gets no update, weight
       decay, EMA update or constraint, as Keras 2 leaves a variable whose
       gradient is ``None`` in the large batch. Sparse gradients are
@@ -199,6 +202,13 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         # inner optimizer's variables are already in this optimizer's
         # `variables` (saved and restored together).
         return [a for a in super().__dir__() if a != "inner_optimizer"]
+
+    # Owned by the inner optimizer, which applies them once per update
+    # (clipping: :class:`~accum_optimizer.families._keras2.PerPackage`).
+    use_ema = _args.forwarded("use_ema")
+    ema_momentum = _args.forwarded("ema_momentum")
+    ema_overwrite_frequency = _args.forwarded("ema_overwrite_frequency")
+    weight_decay = _args.forwarded("weight_decay")
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
         """Forwarded to the inner optimizer, which owns the weight decay."""
@@ -332,8 +342,8 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
             self._take_micro_step(grads, variables, weight)
         return self.iterations
 
-    def _update_inner(self, grads: list, variables: list) -> None:
-        self.inner_optimizer.apply_gradients(
+    def _update_inner(self, grads: list, variables: list) -> Any:
+        return self.inner_optimizer.apply_gradients(
             zip(grads, variables), skip_gradients_aggregation=self._skip_aggregation
         )
 

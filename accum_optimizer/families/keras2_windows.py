@@ -156,10 +156,26 @@ class _FlushPartialWindow(_windows.FlushAtEpochEnd):
     that read the weights at epoch end (``ModelCheckpoint``,
     ``BackupAndRestore``).
 
+    Also in Keras 2's graph-mode ``fit`` (``tf.compat.v1``, eager execution
+    disabled): the flush op is built once, in the graph of the optimizer's
+    state, and run in Keras' session.
+
     Raises:
         ValueError: (at ``on_train_begin``) the model's optimizer has no
             ``AccumulatingOptimizer``.
     """
+
+    def _run_flush(self, opt: Any) -> None:
+        if tf.executing_eagerly():
+            opt.flush()
+            return
+        graph = opt.micro_steps.graph
+        cached = self.__dict__.get("_flush_op")
+        if cached is None or cached[0] is not opt or cached[1] is not graph:
+            with graph.as_default():
+                cached = (opt, graph, opt.flush())
+            self.__dict__["_flush_op"] = cached
+        self._keras.backend.batch_get_value([cached[2]])
 
 
 _classes: dict = {}

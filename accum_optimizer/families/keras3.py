@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import keras
 
-from accum_optimizer import _args, core
+from accum_optimizer import _args, _compat, core
 from accum_optimizer._compat import keras3 as compat
 from accum_optimizer.families import _tf2
 from accum_optimizer.families.keras3_saving import Keras3Saving
@@ -31,36 +31,9 @@ if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <=
 _INNER_ONLY_ARGS = {**_args.KERAS_OPTIMIZER_ARGUMENTS, "loss_scale_factor": None}
 
 
-
-def _forwarded(name: str, writable: bool = True) -> property:
-    """A property answered by the inner optimizer (``AttributeError`` where it
-    has no such attribute, so ``hasattr`` tells the truth). Before the inner
-    optimizer is set (inside Keras' base ``__init__``), values are kept aside
-    and never reach it: they are the base class's defaults for the wrapper."""
-
-    def fget(self: Any) -> Any:
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is None:
-            try:
-                return self.__dict__["_before_inner"][name]
-            except KeyError:
-                raise AttributeError(name) from None
-        return getattr(inner, name)
-
-    def fset(self: Any, value: Any) -> None:
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is None:
-            self.__dict__.setdefault("_before_inner", {})[name] = value
-        elif writable:
-            setattr(inner, name, value)
-        else:
-            raise AttributeError(f"`{name}` belongs to the inner optimizer; set it there.")
-
-    return property(fget, fset, doc=f"The inner optimizer's ``{name}``.")
-
-
 @keras.saving.register_keras_serializable(package="accum_optimizer")
-class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, keras.optimizers.Optimizer):
+class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3Saving, _tf2.Accumulating,
+                            keras.optimizers.Optimizer):
     """Accumulate gradients over micro-batches, update once per window.
 
     Each call to :meth:`apply` / :meth:`apply_gradients` is one *micro-step*:
@@ -396,15 +369,15 @@ class AccumulatingOptimizer(compat.KerasReads, Keras3Saving, _tf2.Accumulating, 
     # What Keras' own code reads (or writes) on whatever optimizer it is given,
     # unwrapping `inner_optimizer` at most once (LossScaleOptimizer, the
     # callbacks): answered by the inner optimizer, which owns them.
-    use_ema = _forwarded("use_ema")
-    ema_momentum = _forwarded("ema_momentum")
-    ema_overwrite_frequency = _forwarded("ema_overwrite_frequency")
-    loss_scale_factor = _forwarded("loss_scale_factor")
-    clipnorm = _forwarded("clipnorm")
-    global_clipnorm = _forwarded("global_clipnorm")
-    clipvalue = _forwarded("clipvalue")
-    weight_decay = _forwarded("weight_decay")
-    optimizers = _forwarded("optimizers", writable=False)
+    use_ema = _args.forwarded("use_ema")
+    ema_momentum = _args.forwarded("ema_momentum")
+    ema_overwrite_frequency = _args.forwarded("ema_overwrite_frequency")
+    loss_scale_factor = _args.forwarded("loss_scale_factor")
+    clipnorm = _args.forwarded("clipnorm")
+    global_clipnorm = _args.forwarded("global_clipnorm")
+    clipvalue = _args.forwarded("clipvalue")
+    weight_decay = _args.forwarded("weight_decay")
+    optimizers = _args.forwarded("optimizers", writable=False)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
         """Forwarded to the inner optimizer, which owns the weight decay."""

@@ -25,6 +25,7 @@ micro-step, so it gets a clear error before any weight moves.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Iterable, Sequence
 
 import tensorflow as tf
@@ -100,6 +101,16 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
       survives a restore across replicas).
     * A variable with no gradient in the whole window gets no update, no tfa
       decoupled weight decay and no constraint.
+    * The inner optimizer's hyperparameters and clip settings are read and
+      assigned through the wrapper (``opt.beta_1``, ``opt.epsilon``,
+      ``opt._get_hyper("beta_1")``, ``opt.clipnorm = 1.0``), as on the
+      optimizer compiled with (:class:`accum_optimizer._compat.ForwardsSettings`).
+    * In a ``tf.compat.v1`` graph (TF1-style code, Keras 2's graph-mode
+      ``fit``) :meth:`apply_gradients`, ``minimize`` and :meth:`flush`
+      return the op to run, as ``OptimizerV2`` does.
+    * ``decay_var_list`` (tensorflow-addons' decoupled weight decay) is
+      taken by :meth:`apply_gradients` and ``minimize`` and applied once per
+      update.
     * ``get_slot(var, "m")`` and ``get_slot_names()`` read the inner
       optimizer's slots (the wrapper has none of its own); a
       ``tf.train.Checkpoint`` saves them once, under the inner optimizer.
@@ -246,25 +257,38 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
 
     # ------------------------------------------------------------ micro-step
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], name: str | None = None,
-                        experimental_aggregate_gradients: bool = True, weight: Any = None) -> Any:
+                        experimental_aggregate_gradients: bool = True, weight: Any = None,
+                        decay_var_list: Sequence[Any] | None = None) -> Any:
         """Take one micro-step with ``grads_and_vars``.
 
         ``(gradient, variable)`` pairs as for ``OptimizerV2.apply_gradients``:
-        a dense tensor of the variable's shape, a ``tf.IndexedSlices``, or
-        ``None`` (no contribution this micro-step). The first call fixes the
-        set of variables; later calls may pass a subset. With
-        ``experimental_aggregate_gradients=False`` the gradients are taken
-        as already summed over replicas, and the inner optimizer is told so
-        at each update.
+        a dense tensor (or NumPy array) of the variable's shape, a
+        ``tf.IndexedSlices``, or ``None`` (no contribution this micro-step).
+        The first call fixes the set of variables; later calls may pass a
+        subset. With ``experimental_aggregate_gradients=False`` the gradients
+        are taken as already summed over replicas, and the inner optimizer is
+        told so at each update.
 
         ``weight``: the micro-batch's count, as in the Keras 3 family's
         :meth:`~accum_optimizer.families.keras3.AccumulatingOptimizer.apply`;
         ``None``: the count a ``CountedLoss`` reported in this train step
         (``fit``), if any, else 1.
 
+        ``decay_var_list``: for an inner optimizer with tensorflow-addons'
+        decoupled weight decay (``tfa.optimizers.AdamW``, ``SGDW``, any
+        ``extend_with_decoupled_weight_decay`` class): the variables that
+        decay, handed to its ``apply_gradients`` at the update this
+        micro-step closes (so they decay once per update, as in the large
+        batch); ``None``: all of them, as there. A flush uses the list of
+        the last micro-step.
+
         Returns:
-            ``None`` (the update is a ``tf.cond`` inside; read
-            :attr:`iterations` and :attr:`micro_steps` for progress).
+            Building a graph (``tf.function``, or a ``tf.compat.v1`` graph
+            where nothing runs unless fetched): the op of this micro-step
+            (accumulation, counters and, on a window's last micro-step, the
+            inner update), as ``OptimizerV2.apply_gradients`` returns its
+            update op; ``sess.run`` it in TF1-style code. Eagerly: ``None``
+            (read :attr:`iterations` and :attr:`micro_steps` for progress).
 
         Raises:
             ValueError: every gradient is ``None``; a gradient's shape differs
@@ -273,20 +297,38 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
                 a scalar, is negative or not finite (inside ``tf.function``:
                 ``InvalidArgumentError`` when the step runs, before any state
                 changes).
-            TypeError: ``weight`` is not a number.
+            TypeError: ``weight`` is not a number; ``decay_var_list`` is given
+                and the inner optimizer's ``apply_gradients`` does not take it.
         """
         weight = self._micro_step_weight(weight)
         grads_and_vars = list(grads_and_vars)
+        if decay_var_list is not None:
+            self._set_untracked("_inner_kwargs", {"decay_var_list": _decay_var_list(self.inner_optimizer, decay_var_list)})
+        elif self.__dict__.get("_inner_kwargs"):
+            self._set_untracked("_inner_kwargs", {})
         if not grads_and_vars:
             return None
         grads, variables = zip(*grads_and_vars)
         self.__dict__["_aggregate"] = bool(experimental_aggregate_gradients)
-        self._take_micro_step(grads, variables, weight)
-        return None
+        return self._take_micro_step(grads, variables, weight, name)
 
-    def _update_inner(self, grads: list, variables: list) -> None:
-        kwargs = {} if self._aggregate else {"experimental_aggregate_gradients": False}
-        self.inner_optimizer.apply_gradients(
+    def minimize(self, loss: Any, var_list: Any, grad_loss: Any = None, name: str | None = None,
+                 tape: Any = None, weight: Any = None, decay_var_list: Sequence[Any] | None = None) -> Any:
+        """One micro-step on the gradients of ``loss``: ``OptimizerV2.minimize``
+        (``loss`` a callable, or a tensor with the ``tape`` that recorded it),
+        then :meth:`apply_gradients` with ``weight`` and ``decay_var_list``.
+
+        Returns:
+            What :meth:`apply_gradients` returns.
+        """
+        grads_and_vars = compat.legacy_compute_gradients(self, loss, var_list, grad_loss, tape)
+        return self.apply_gradients(grads_and_vars, name=name, weight=weight, decay_var_list=decay_var_list)
+
+    def _update_inner(self, grads: list, variables: list) -> Any:
+        kwargs = dict(self.__dict__.get("_inner_kwargs") or {})
+        if not self._aggregate:
+            kwargs["experimental_aggregate_gradients"] = False
+        return self.inner_optimizer.apply_gradients(
             [(g, v) for g, v in zip(grads, variables) if g is not None], **kwargs
         )
 
@@ -316,6 +358,22 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
             )
         config = _tf2.deserialize_schedule(cls._keras, config, custom_objects)
         return cls(inner, **config)
+
+
+def _decay_var_list(inner: Any, decay_var_list: Any) -> list:
+    """``decay_var_list`` checked against ``inner``'s ``apply_gradients``."""
+    try:
+        takes = "decay_var_list" in inspect.signature(inner.apply_gradients).parameters
+    except (TypeError, ValueError):
+        takes = True
+    if not takes:
+        raise TypeError(
+            "`decay_var_list` is an argument of tensorflow-addons' decoupled weight decay optimizers "
+            "(tfa.optimizers.AdamW, SGDW, extend_with_decoupled_weight_decay); the inner optimizer "
+            f"{type(inner).__module__}.{type(inner).__qualname__} does not take it. Received: "
+            f"decay_var_list={decay_var_list!r}."
+        )
+    return list(decay_var_list)
 
 
 def _unknown_position(shape: Any, dtype: Any = tf.int64, **kwargs: Any) -> Any:

@@ -63,6 +63,11 @@ def _packages_for(entry: _compat.Private) -> list:
         return [sys.modules["tensorflow"]]
     if entry.distribution == "keras":
         return [sys.modules["keras"]]
+    if entry.distribution == "tensorflow-addons":
+        try:
+            return [importlib.import_module("tensorflow_addons")]
+        except ImportError:
+            pytest.skip(f"{entry.symbol}: no tensorflow-addons in this leg (it runs in tf215)")
     return _keras2_packages()
 
 

@@ -225,6 +225,30 @@ def test_variables_are_the_wrappers_then_every_inner_variable():
     assert all(a.dtype == v.dtype and a.shape == v.shape for a, v in zip(opt.acc_grads, model.trainable_variables))
 
 
+def test_settings_of_the_inner_optimizer_are_read_and_assigned_through_the_wrapper():
+    """Issue 22, item 5 (the Keras 2 new API had the legacy family's fault):
+    the inner optimizer's hyperparameters, clip, EMA and weight decay
+    settings read through the wrapper, and assignments reaching it.
+    Reference: the inner's values; then N = 2 trained with ``clipnorm`` set
+    through the wrapper against the plain optimizer given it, at batch 2·B
+    (the clipping is active: without it the weights differ)."""
+    inner = o.Adam(1e-2, beta_1=0.8, epsilon=1e-3, amsgrad=True, clipnorm=0.5, use_ema=True, ema_momentum=0.9)
+    opt = AccumulatingOptimizer(inner, 2)
+    read = (opt.beta_1, opt.epsilon, opt.amsgrad, opt.clipnorm, opt.clipvalue, opt.global_clipnorm,
+            opt.use_ema, opt.ema_momentum, opt.weight_decay)
+    assert read == (0.8, 1e-3, True, 0.5, None, None, True, 0.9, inner.weight_decay)
+    opt.beta_1, opt.clipnorm = 0.7, 0.01
+    assert (inner.beta_1, inner.clipnorm) == (0.7, 0.01) and not {"beta_1", "clipnorm"} & set(vars(opt))
+
+    x, y = make_data(2 * 4 * 3)
+    ref = train(make_mlp(0), o.Adam(1e-2, beta_1=0.7, clipnorm=0.01), x, y, 8, 3)
+    acc_opt = AccumulatingOptimizer(o.Adam(1e-2, beta_1=0.7), 2)
+    acc_opt.clipnorm = 0.01
+    acc = train(make_mlp(0), acc_opt, x, y, 4, 6)
+    free = train(make_mlp(0), o.Adam(1e-2, beta_1=0.7), x, y, 8, 3)
+    assert max_abs_diff(weights(ref), weights(acc)) <= 1e-5 < max_abs_diff(weights(ref), weights(free))
+
+
 # --------------------------------------------------------- import hygiene
 # (What `import accum_optimizer` imports and registers in a fresh process is
 # checked in test_keras2_saving, in the process that loads the saved models.)

@@ -524,6 +524,30 @@ def test_learning_rate_getter_and_setter_forward_to_inner():
     assert max_abs_diff(weights(m_acc), weights(m_ref)) < 1e-6
 
 
+def test_settings_of_the_inner_optimizer_are_read_and_assigned_through_the_wrapper():
+    """The inner optimizer's hyperparameters (``beta_1``, ``epsilon``,
+    ``amsgrad``) and clip settings read through the wrapper, and assignments
+    reaching it, as in the Keras 2 families (issue 22, item 5). Reference:
+    the inner's values; then N = 2 with ``beta_1`` and ``clipnorm`` set
+    through the wrapper against the plain optimizer given them, at batch 2·B
+    (the clipping is active: without it the weights differ)."""
+    inner = keras.optimizers.Adam(1e-2, beta_1=0.8, epsilon=1e-3, amsgrad=True, clipnorm=0.5)
+    opt = AccumulatingOptimizer(inner, 2)
+    assert (opt.beta_1, opt.epsilon, opt.amsgrad, opt.clipnorm, opt.clipvalue) == (0.8, 1e-3, True, 0.5, None)
+    with pytest.raises(AttributeError, match="no_such_setting"):
+        opt.no_such_setting
+    opt.beta_1, opt.clipnorm = 0.7, 0.01
+    assert (inner.beta_1, inner.clipnorm) == (0.7, 0.01) and not {"beta_1", "clipnorm"} & set(vars(opt))
+
+    x, y = make_data(2 * 4 * 3)
+    ref = train(make_mlp(0), keras.optimizers.Adam(1e-2, beta_1=0.7, clipnorm=0.01), x, y, 8, 3)
+    acc_opt = AccumulatingOptimizer(keras.optimizers.Adam(1e-2), 2)
+    acc_opt.beta_1, acc_opt.clipnorm = 0.7, 0.01
+    acc = train(make_mlp(0), acc_opt, x, y, 4, 6)
+    free = train(make_mlp(0), keras.optimizers.Adam(1e-2, beta_1=0.7), x, y, 8, 3)
+    assert max_abs_diff(weights(ref), weights(acc)) <= 1e-5 < max_abs_diff(weights(ref), weights(free))
+
+
 def test_learning_rate_schedule_sees_updates_not_micro_steps():
     sched = keras.optimizers.schedules.ExponentialDecay(1.0, decay_steps=1, decay_rate=0.5)
     opt = AccumulatingOptimizer(keras.optimizers.SGD(sched), gradient_accumulation_steps=2)

@@ -70,6 +70,55 @@ def test_fit_lr_callbacks_act_on_the_inner_optimizer(callback):
     assert int(acc_inner.iterations.numpy()) == epochs * updates
 
 
+def test_hyperparameters_and_clip_settings_are_read_and_assigned_through_the_wrapper():
+    """Issue 22, item 5: what user code and Keras 2's own tests read and
+    assign on the optimizer they compiled with reaches the inner optimizer
+    (the wrapper had no ``beta_1``/``epsilon``, and its own unused clip
+    defaults). Reference: the inner optimizer's values; then training with
+    the settings assigned through the wrapper against the plain optimizer
+    given them directly (N = 1: bitwise; N = 3: the batch-N·B run, whose
+    clipping by norm is active: without it the weights differ)."""
+    inner = L.Adam(0.05, beta_1=0.8, epsilon=1e-3, amsgrad=True, clipnorm=0.5)
+    opt = AccumulatingOptimizer(inner, N)
+    assert float(keras.backend.get_value(opt.beta_1)) == pytest.approx(0.8)
+    assert float(keras.backend.get_value(opt._get_hyper("beta_1"))) == pytest.approx(0.8)
+    assert (opt.epsilon, opt.amsgrad, opt.clipnorm, opt.clipvalue, opt.global_clipnorm) == (1e-3, True, 0.5, None, None)
+    with pytest.raises(AttributeError, match="no_such_setting"):
+        opt.no_such_setting
+    assert not hasattr(opt, "momentum")  # (Adam has none)
+
+    def configure(o):
+        o.beta_1 = 0.7
+        o._set_hyper("beta_2", 0.9)
+        o.epsilon = 1e-4
+        o.clipnorm = 0.05
+
+    configure(opt)
+    assert float(keras.backend.get_value(inner._get_hyper("beta_1"))) == pytest.approx(0.7)
+    assert float(keras.backend.get_value(inner._get_hyper("beta_2"))) == pytest.approx(0.9)
+    assert (inner.epsilon, inner.clipnorm) == (1e-4, 0.05)
+    assert not {"beta_1", "epsilon", "clipnorm"} & set(vars(opt))  # nothing shadowed on the wrapper
+
+    updates = 2
+    x, y = R.dense_data(N * B * updates)
+    for n in (1, N):
+        ref_inner, acc_inner = L.Adam(0.05, amsgrad=True), L.Adam(0.05, amsgrad=True)
+        configure(ref_inner)
+        acc = AccumulatingOptimizer(acc_inner, n)
+        configure(acc)
+        ref = R.train(R.dense_model(), ref_inner, x, y, n * B, updates)
+        trained = R.train(R.dense_model(), acc, x, y, B, n * updates)
+        diff = R.max_abs_diff(ref.get_weights(), trained.get_weights())
+        if n == 1:
+            assert diff == 0.0
+        else:
+            unclipped = L.Adam(0.05, amsgrad=True)
+            configure(unclipped)
+            unclipped.clipnorm = None
+            free = R.train(R.dense_model(), unclipped, x, y, n * B, updates)
+            assert diff <= TOL < R.max_abs_diff(ref.get_weights(), free.get_weights())
+
+
 def test_inner_slots_reachable():
     ref, acc = R.run_pair(lambda m: L.Adam(0.05), N, B, 2)
     inner = acc["opt"].inner_optimizer

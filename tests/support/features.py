@@ -125,6 +125,21 @@ FEATURES = [
         "legacy": "contract/test_strategies.py::test_central_storage_strategy_is_refused_at_construction_and_at_build",
         "tf1": "tf1/test_api.py::test_a_distribution_strategy_is_refused",
     }),
+    Feature("the inner's hyperparameters and clip settings, read and assigned through the wrapper", {
+        "keras3": "keras3/test_api.py::test_settings_of_the_inner_optimizer_are_read_and_assigned_through_the_wrapper",
+        "keras2": "keras2/test_api.py::test_settings_of_the_inner_optimizer_are_read_and_assigned_through_the_wrapper",
+        "legacy": "legacy/test_semantics.py::"
+                  "test_hyperparameters_and_clip_settings_are_read_and_assigned_through_the_wrapper",
+        "tf1": NA("`tf.compat.v1.train` optimizers keep their hyperparameters private (`_lr`, `_beta1`) and have "
+                  "no clip settings"),
+    }),
+    Feature("`tf.compat.v1` graph code: `sess.run` the returned train op", {
+        "keras3": NA("Keras 3 runs eagerly or in `tf.function`: it has no `tf.compat.v1` graph mode"),
+        "keras2": NA("Keras 2's new-API optimizers do not update in a `tf.compat.v1` graph (the op the plain one "
+                     "returns does not depend on its updates): TF1-style code uses the legacy optimizers"),
+        "legacy": "legacy/test_graph_mode.py::test_train_op_in_a_v1_graph_trains_like_the_plain_optimizer",
+        "tf1": "tf1/test_semantics.py::test_window_phase_by_hand",
+    }),
     Feature("checkpoints saved by earlier versions resume bitwise", {
         "keras3": "contract/test_saved_checkpoints.py::test_resumes_saved_checkpoint_bitwise",
         "keras2": "contract/test_saved_checkpoints.py::test_resumes_saved_checkpoint_bitwise",
