@@ -1,0 +1,447 @@
+"""The accumulation planner: "my device holds B, I want an effective batch
+of T", answered by measurement.
+
+    from accum_optimizer.plan import plan_accumulation
+
+    plan = plan_accumulation("mypkg.train:build_model", "mypkg.train:make_batch",
+                             target_batch_size=256, memory_limit="10GiB")
+    plan.micro_batch_size, plan.gradient_accumulation_steps
+
+or ``python -m accum_optimizer.plan mypkg.train:build_model
+mypkg.train:make_batch --target-batch-size 256 --memory-limit 10GiB``.
+
+Each probe trains the user's model at one micro-batch size B in a fresh
+process (an out-of-memory error is not safe to recover from in-process),
+with its optimizer wrapped in ``AccumulatingOptimizer(inner, 2)`` so that the
+accumulators and an update both count, and reports the allocator's peak
+(:mod:`accum_optimizer.plan._probe`). The search doubles B from its start
+until a probe does not fit (or B reaches its maximum), then bisects between
+the last fit and the first failure, on multiples of ``multiple_of``; the
+plan's trials always hold the chosen B and the next multiple above it
+(unless the chosen B is the maximum), so the answer never rests on an
+unprobed neighbour. N is ``ceil(target / (B * replicas))``.
+
+The planner's own process trains nothing and allocates nothing on a device:
+each probe is a process of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["Plan", "plan_accumulation", "parse_bytes", "search_micro_batch_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any, name: str = "memory_limit") -> int:
+    """Bytes from an int, a float or a string with a unit (``"10GiB"``,
+    ``"512 MiB"``, ``"1.5GB"``, ``"2e9"``; binary units KiB-TiB, decimal
+    KB-TB, case-insensitive).
+
+    Raises:
+        ValueError: not a positive amount, or an unknown unit (the message
+            names ``name`` and the value).
+    """
+    amount = None
+    if isinstance(value, bool):
+        amount = None
+    elif isinstance(value, (int, float)):
+        amount = float(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS:
+            amount = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if amount is None or not math.isfinite(amount) or amount <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive number of bytes or a string with a unit "
+            f"(e.g. 10737418240, '10GiB', '512MiB', '1.5GB'). Received: {name}={value!r}."
+        )
+    return int(amount)
+
+
+def load_function(path: Any, name: str) -> Callable[..., Any]:
+    """The function an importable ``"module:function"`` names.
+
+    Raises:
+        ValueError: not of that form, the module does not import, or it has
+            no such callable (the message names the argument and value).
+    """
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        raise ValueError(f"`{name}` must be an importable 'module:function'. Received: {name}={path!r}.")
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to see
+        raise ValueError(f"`{name}`={path!r}: module {module_name!r} cannot be imported ({type(e).__name__}: {e}).") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ValueError(f"`{name}`={path!r}: module {module_name!r} has no callable {attr!r}.")
+    return function
+
+
+def search_micro_batch_size(fits: Callable[[int], bool], maximum: int, start: int = 1, multiple_of: int = 1) -> int | None:
+    """The largest multiple of ``multiple_of`` up to ``maximum`` for which
+    ``fits`` holds, assuming it holds below any size where it does (memory
+    grows with B); ``None`` if it holds for none.
+
+    Doubles from ``start`` (rounded up to a multiple) until ``fits`` fails or
+    ``maximum`` is reached, then bisects between the last fit and the first
+    failure. Every size it returns was tried, and so was the next multiple
+    above it unless it is ``maximum``. ``fits`` is called once per size.
+    """
+    unit_max = maximum // multiple_of
+    if unit_max < 1:
+        return None
+    seen: dict[int, bool] = {}
+
+    def ok(k: int) -> bool:
+        if k not in seen:
+            seen[k] = bool(fits(k * multiple_of))
+        return seen[k]
+
+    k = min(max(1, -(-start // multiple_of)), unit_max)
+    last_fit, first_fail = 0, None
+    while True:
+        if ok(k):
+            last_fit = k
+            if k == unit_max:
+                break
+            k = min(2 * k, unit_max)
+        else:
+            first_fail = k
+            break
+    if first_fail is not None:
+        while first_fail - last_fit > 1:
+            mid = (last_fit + first_fail) // 2
+            if ok(mid):
+                last_fit = mid
+            else:
+                first_fail = mid
+    return last_fit * multiple_of if last_fit else None
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the planner chose and measured.
+
+    Attributes:
+        micro_batch_size: B, the largest size that fits (a multiple of
+            ``multiple_of``).
+        gradient_accumulation_steps: N = ``ceil(target_batch_size / (B * replicas))``.
+        effective_batch_size: ``N * B * replicas`` (>= the target).
+        peak_bytes: the measured peak at B (int, bytes), accumulators,
+            optimizer slots and activations included.
+        target_batch_size: the request's target (samples per update).
+        memory_limit: the request's limit (bytes).
+        margin: a probe fits at most ``margin * memory_limit``.
+        replicas: devices in sync (each takes B per micro-step).
+        multiple_of: B is a multiple of this.
+        max_micro_batch_size: the largest B the search could choose.
+        device: where the probes ran (``"GPU:0"`` or ``"CPU:0"``).
+        trials: every probe in order, each a dict with
+            ``micro_batch_size``, ``peak_bytes`` (``None`` after an
+            out-of-memory error), ``fits``, ``seconds_per_micro_step``.
+        seconds: how long planning took (wall clock).
+
+    :attr:`balanced_micro_batch_size` is the same N's smallest micro-batch
+    that reaches the target (it fits too).
+    """
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    effective_batch_size: int
+    peak_bytes: int
+    target_batch_size: int
+    memory_limit: int
+    margin: float
+    replicas: int
+    multiple_of: int
+    max_micro_batch_size: int
+    device: str
+    trials: list
+    seconds: float = 0.0
+
+    @property
+    def balanced_micro_batch_size(self) -> int:
+        """The smallest multiple of ``multiple_of`` that reaches the target
+        with the same N (``ceil(target / (N * replicas))``, rounded up): at
+        most :attr:`micro_batch_size`, so it fits too (memory grows with B),
+        and its effective batch is the closest to the target that N allows."""
+        per_step = -(-self.target_batch_size // (self.gradient_accumulation_steps * self.replicas))
+        return min(self.micro_batch_size, -(-per_step // self.multiple_of) * self.multiple_of)
+
+    @property
+    def balanced_effective_batch_size(self) -> int:
+        """``N * balanced_micro_batch_size * replicas``."""
+        return self.gradient_accumulation_steps * self.balanced_micro_batch_size * self.replicas
+
+    @property
+    def budget_bytes(self) -> int:
+        """``margin * memory_limit``: the most a probe may use to fit."""
+        return int(self.margin * self.memory_limit)
+
+    def table(self) -> str:
+        """The trials and the choice, as text."""
+        lines = [f"{'B':>6} {'peak MiB':>10} {'fits':>5} {'s/micro-step':>13}"]
+        for t in self.trials:
+            peak = "OOM" if t["peak_bytes"] is None else f"{t['peak_bytes'] / 2**20:.1f}"
+            seconds = "-" if t["seconds_per_micro_step"] is None else f"{t['seconds_per_micro_step']:.4f}"
+            lines.append(f"{t['micro_batch_size']:>6} {peak:>10} {'yes' if t['fits'] else 'no':>5} {seconds:>13}")
+        extra = self.effective_batch_size - self.target_batch_size
+        lines.append(
+            f"budget {self.budget_bytes / 2**20:.1f} MiB ({self.margin:g} x {self.memory_limit / 2**20:.1f} MiB) "
+            f"on {self.device}: micro_batch_size={self.micro_batch_size}, "
+            f"gradient_accumulation_steps={self.gradient_accumulation_steps}, replicas={self.replicas}, "
+            f"effective_batch_size={self.effective_batch_size} (target {self.target_batch_size}"
+            + (f", {extra} more)" if extra else ")")
+            + f"; planned in {self.seconds:.1f} s"
+        )
+        if self.balanced_micro_batch_size < self.micro_batch_size:
+            lines.append(
+                f"closest to the target with N={self.gradient_accumulation_steps}: "
+                f"micro_batch_size={self.balanced_micro_batch_size} (effective batch "
+                f"{self.balanced_effective_batch_size})"
+            )
+        return "\n".join(lines)
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        """Write the plan as JSON (written whole: a temporary file, then renamed)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "Plan":
+        """A plan written by :meth:`to_json`."""
+        return cls(**json.loads(Path(path).read_text()))
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """Plot the measured peak against B with the budget (matplotlib).
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install
+                "accum_optimizer[plan]"``).
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError('Plan.plot needs matplotlib: pip install "accum_optimizer[plan]".') from None
+        path = Path(path)
+        measured = sorted((t for t in self.trials if t["peak_bytes"] is not None), key=lambda t: t["micro_batch_size"])
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for fits, colour, label in ((True, "tab:green", "fits"), (False, "tab:red", "does not fit")):
+            points = [t for t in measured if t["fits"] == fits]
+            ax.scatter([t["micro_batch_size"] for t in points], [t["peak_bytes"] / 2**20 for t in points],
+                       color=colour, label=label, zorder=3)
+        ax.plot([t["micro_batch_size"] for t in measured], [t["peak_bytes"] / 2**20 for t in measured],
+                color="grey", lw=1, zorder=2)
+        ax.axhline(self.budget_bytes / 2**20, color="black", ls="--",
+                   label=f"budget ({self.margin:g} x limit)")
+        ax.axvline(self.micro_batch_size, color="tab:green", ls=":", label=f"B = {self.micro_batch_size}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batch size B")
+        ax.set_ylabel(f"peak memory on {self.device} (MiB)")
+        ax.set_title(f"N = {self.gradient_accumulation_steps}, effective batch {self.effective_batch_size} "
+                     f"(target {self.target_batch_size})")
+        ax.legend(loc="upper left", fontsize="small")
+        fig.tight_layout()
+        tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+        fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+        tmp.replace(path)
+        return path
+
+
+def _check_positive_int(value: Any, name: str, allow_none: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer{' or None' if allow_none else ''}. "
+                         f"Received: {name}={value!r}.")
+    return value
+
+
+def gpu_memory_bytes() -> int | None:
+    """Total memory of the first GPU (``nvidia-smi``), or ``None`` where
+    there is none."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        return int(float(out.split()[0]) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def probe(build: str, batch: str, micro_batch_size: int, budget_bytes: int | None = None,
+          timeout: float = 1800) -> dict:
+    """Measure one micro-batch size in a fresh process
+    (:mod:`accum_optimizer.plan._probe`).
+
+    Returns:
+        ``{"micro_batch_size", "peak_bytes", "seconds_per_micro_step",
+        "oom", "device", "gpus"}`` (``peak_bytes`` ``None`` after an
+        out-of-memory error, or when the process was killed).
+
+    Raises:
+        RuntimeError: the build or batch function (or anything but an
+            out-of-memory error) raised in the probe; the message holds its
+            traceback.
+    """
+    from accum_optimizer.plan import _probe
+
+    spec = {"build": build, "batch": batch, "micro_batch_size": micro_batch_size, "budget_bytes": budget_bytes}
+    # The probe imports what this process can (its sys.path: where `build`
+    # and `batch` were found).
+    path = [p or os.getcwd() for p in sys.path]
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3",
+           "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+    done = subprocess.run([sys.executable, "-m", "accum_optimizer.plan._probe", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_probe.PREFIX)]
+    if not lines:
+        if done.returncode < 0:  # killed (the kernel's out-of-memory killer): does not fit
+            return {"micro_batch_size": micro_batch_size, "peak_bytes": None, "seconds_per_micro_step": None,
+                    "oom": True, "device": None, "gpus": 0}
+        raise RuntimeError(
+            f"The probe at micro_batch_size={micro_batch_size} exited with status {done.returncode} and no "
+            f"result. Its output:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        )
+    result = json.loads(lines[-1][len(_probe.PREFIX):])
+    if "error" in result:
+        raise RuntimeError(
+            f"Building the model ({build}) or its batch ({batch}) at micro_batch_size={micro_batch_size} "
+            f"raised, in the probe process:\n{result['error']}"
+        )
+    return result
+
+
+def plan_accumulation(
+    build: str,
+    batch: str,
+    target_batch_size: int,
+    memory_limit: Any = None,
+    margin: float = 0.9,
+    max_micro_batch_size: int | None = None,
+    multiple_of: int = 1,
+    replicas: int | None = None,
+    start: int = 1,
+    verbose: bool = True,
+    log: Callable[[str], None] = print,
+) -> Plan:
+    """Find the largest micro-batch size that fits, and the N that reaches
+    ``target_batch_size`` with it, by measurement.
+
+    Args:
+        build: importable ``"module:function"``; the function (no arguments)
+            returns a compiled Keras model (any optimizer; Keras 3 on
+            TensorFlow or Keras 2).
+        batch: importable ``"module:function"``; ``function(B)`` returns one
+            batch of B samples, ``(x, y)`` or ``(x, y, sample_weight)``.
+        target_batch_size: the effective batch wanted (samples per update).
+        memory_limit: bytes, or a string with a unit (``"10GiB"``); default:
+            the first GPU's total memory (required where there is no GPU).
+        margin: a probe fits if its peak is at most ``margin * memory_limit``
+            (and it raised no out-of-memory error), in (0, 1].
+        max_micro_batch_size: an upper bound for B; B never exceeds
+            ``target_batch_size`` either.
+        multiple_of: B is a multiple of this (8 for tensor cores).
+        replicas: devices training in sync (each takes B per micro-step);
+            default: the number of GPUs the probe sees, at least 1.
+        start: the first B tried (rounded up to a multiple of ``multiple_of``).
+        verbose: print one line per probe, then the table, through ``log``.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        ValueError: a bad argument (each message names it and the value
+            received); ``build`` or ``batch`` cannot be imported.
+        RuntimeError: the build or batch function raised in a probe (its
+            traceback in the message); the model does not fit even at the
+            smallest B (the message gives the bytes it needed and the budget).
+    """
+    began = time.perf_counter()
+    target_batch_size = _check_positive_int(target_batch_size, "target_batch_size")
+    multiple_of = _check_positive_int(multiple_of, "multiple_of")
+    max_micro_batch_size = _check_positive_int(max_micro_batch_size, "max_micro_batch_size", allow_none=True)
+    replicas = _check_positive_int(replicas, "replicas", allow_none=True)
+    start = _check_positive_int(start, "start")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin <= 1:
+        raise ValueError(f"`margin` must be a number in (0, 1]. Received: margin={margin!r}.")
+    load_function(build, "build")
+    load_function(batch, "batch")
+    if memory_limit is None:
+        memory_limit = gpu_memory_bytes()
+        if memory_limit is None:
+            raise ValueError(
+                "`memory_limit` is required where there is no GPU (none found by nvidia-smi): give the "
+                "bytes the training may use, e.g. memory_limit='8GiB'. Received: memory_limit=None."
+            )
+    memory_limit = parse_bytes(memory_limit, "memory_limit")
+    budget = int(margin * memory_limit)
+    maximum = min(target_batch_size, max_micro_batch_size or target_batch_size)
+    maximum -= maximum % multiple_of
+    if maximum < 1:
+        raise ValueError(
+            f"No micro-batch size is a multiple of multiple_of={multiple_of} and at most "
+            f"min(target_batch_size={target_batch_size}, max_micro_batch_size={max_micro_batch_size})."
+        )
+
+    trials: list[dict] = []
+    seen: dict = {}
+
+    def fits(size: int) -> bool:
+        result = probe(build, batch, size, budget)
+        seen.update(device=result.get("device") or seen.get("device"), gpus=result.get("gpus", 0))
+        ok = not result["oom"] and result["peak_bytes"] is not None and result["peak_bytes"] <= budget
+        trial = {"micro_batch_size": size, "peak_bytes": result["peak_bytes"], "fits": ok,
+                 "seconds_per_micro_step": result["seconds_per_micro_step"]}
+        trials.append(trial)
+        if verbose:
+            peak = "out of memory" if trial["peak_bytes"] is None else f"peak {trial['peak_bytes'] / 2**20:.1f} MiB"
+            log(f"[plan] B={size}: {peak}, {'fits' if ok else 'does not fit'} "
+                f"(budget {budget / 2**20:.1f} MiB)")
+        return ok
+
+    chosen = search_micro_batch_size(fits, maximum, start, multiple_of)
+    if chosen is None:
+        first = trials[0]
+        needed = "an out-of-memory error" if first["peak_bytes"] is None else f"{first['peak_bytes']} bytes"
+        raise RuntimeError(
+            f"The model does not fit even at micro_batch_size={first['micro_batch_size']}: it needed "
+            f"{needed} against a budget of {budget} bytes (margin={margin} x memory_limit={memory_limit}). "
+            "Raise memory_limit or margin, or make the model smaller (mixed precision, fewer parameters)."
+        )
+    replicas = replicas or max(1, int(seen.get("gpus") or 0))
+    steps = -(-target_batch_size // (chosen * replicas))
+    peak = next(t["peak_bytes"] for t in trials if t["micro_batch_size"] == chosen)
+    plan = Plan(
+        micro_batch_size=chosen, gradient_accumulation_steps=steps, effective_batch_size=steps * chosen * replicas,
+        peak_bytes=peak, target_batch_size=target_batch_size, memory_limit=memory_limit, margin=float(margin),
+        replicas=replicas, multiple_of=multiple_of, max_micro_batch_size=maximum,
+        device=seen.get("device") or "CPU:0", trials=trials, seconds=time.perf_counter() - began,
+    )
+    if verbose:
+        log(plan.table())
+    return plan

@@ -1,0 +1,197 @@
+"""The accumulation planner (``accum_optimizer.plan``), on the CPU with a
+small real model (``tests/support/plan_models.py``; its memory is mostly
+activations).
+
+References: independent probes of the same model at the sizes the plan
+decides between (the CPU allocator's peak, in fresh processes); the formula
+``N = ceil(T / (B * replicas))``; for the search itself, a step function
+whose answer is known. The planner's own probes and the independent ones
+agree within the allocator's noise (NOISE: a few percent between runs of the
+same size, measured up to 16 % at one size on this machine, so the sizes
+compared are twice apart, whose peaks differ by about 90 %).
+"""
+
+from support.families import require
+
+require("keras3")
+
+import re  # noqa: E402
+import os  # noqa: E402
+import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from accum_optimizer.plan import Plan, parse_bytes, plan_accumulation, probe, search_micro_batch_size  # noqa: E402
+
+BUILD, BATCH = "support.plan_models:build", "support.plan_models:batch"
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE = 0.25  # relative: what one size's peak may vary between processes (see above)
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """Independent measurements at B = 16 and 32 (the probes import
+    ``support.plan_models`` as a user's module: ``tests/`` is on this
+    process' path, which the probes inherit)."""
+    return {b: probe(BUILD, BATCH, b)["peak_bytes"] for b in (16, 32)}
+
+
+def _cli_env():
+    """The command line's environment: ``tests/`` on its path, as a user's
+    package would be."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
+
+
+# ------------------------------------------------------------------ the search
+@settings(max_examples=200, deadline=None)
+@given(threshold=st.integers(0, 300), maximum=st.integers(1, 256), start=st.integers(1, 300),
+       multiple_of=st.integers(1, 16))
+def test_search_finds_the_largest_fitting_multiple_and_probes_its_neighbour(threshold, maximum, start, multiple_of):
+    """``fits(B) = B <= threshold`` (memory grows with B): the answer is the
+    largest multiple of ``multiple_of`` up to ``min(threshold, maximum)``; it
+    and the next multiple were both tried (unless it is the maximum), and no
+    size twice."""
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= threshold
+
+    got = search_micro_batch_size(fits, maximum, start, multiple_of)
+    top = min(threshold, maximum) // multiple_of * multiple_of
+    assert got == (top or None)
+    assert len(tried) == len(set(tried)) and all(b % multiple_of == 0 and 0 < b <= maximum for b in tried)
+    if got is not None:
+        assert got in tried
+        if got + multiple_of <= maximum:
+            assert got + multiple_of in tried
+    elif maximum >= multiple_of:
+        assert multiple_of in tried  # the smallest size was tried before giving up
+
+
+# ------------------------------------------------------------------ the plan
+def test_plan_chooses_the_largest_size_under_the_limit_and_its_n(peaks):
+    """A ``memory_limit`` halfway between the measured peaks at 16 and 32:
+    the plan's B is 16, its own trial at 16 agrees with the independent one,
+    32 was tried and does not fit; N and the effective batch follow the
+    formula; the trials' peaks grow with B."""
+    assert peaks[32] > peaks[16] * (1 + NOISE)  # the two sizes are told apart
+    limit = (peaks[16] + peaks[32]) // 2
+    lines = []
+    plan = plan_accumulation(BUILD, BATCH, target_batch_size=100, memory_limit=limit, margin=1.0,
+                             max_micro_batch_size=64, multiple_of=16, log=lines.append)
+    assert plan.micro_batch_size == 16 and plan.device == "CPU:0" and plan.replicas == 1
+    assert plan.gradient_accumulation_steps == 7 and plan.effective_batch_size == 112  # ceil(100 / 16) * 16
+    # the same N with the smallest multiple of 16 reaching 100: ceil(100 / 7) = 15 -> 16 (no smaller one)
+    assert plan.balanced_micro_batch_size == 16 and plan.balanced_effective_batch_size == 112
+    by_size = {t["micro_batch_size"]: t for t in plan.trials}
+    assert by_size[16]["fits"] and not by_size[32]["fits"]
+    assert abs(by_size[16]["peak_bytes"] - peaks[16]) <= NOISE * peaks[16]
+    assert plan.peak_bytes == by_size[16]["peak_bytes"] <= limit
+    ordered = sorted(t["peak_bytes"] for t in plan.trials)
+    assert [t["peak_bytes"] for t in sorted(plan.trials, key=lambda t: t["micro_batch_size"])] == ordered
+    assert all(t["seconds_per_micro_step"] > 0 for t in plan.trials)
+    assert any("B=16" in line and "fits" in line for line in lines) and "micro_batch_size=16" in lines[-1]
+
+
+def test_json_round_trip_and_plot(tmp_path):
+    plan = Plan(micro_batch_size=16, gradient_accumulation_steps=7, effective_batch_size=112, peak_bytes=6 * 2**20,
+                target_batch_size=100, memory_limit=8 * 2**20, margin=0.9, replicas=1, multiple_of=16,
+                max_micro_batch_size=64, device="CPU:0", seconds=12.5, trials=[
+                    {"micro_batch_size": 16, "peak_bytes": 6 * 2**20, "fits": True, "seconds_per_micro_step": 0.01},
+                    {"micro_batch_size": 32, "peak_bytes": None, "fits": False, "seconds_per_micro_step": None}])
+    assert Plan.from_json(plan.to_json(tmp_path / "plan.json")) == plan
+    png = plan.plot(tmp_path / "plan.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "OOM" in plan.table() and "effective_batch_size=112 (target 100, 12 more)" in plan.table()
+    wide = Plan(**{**plan.__dict__, "micro_batch_size": 232, "gradient_accumulation_steps": 5,
+                   "effective_batch_size": 1160, "target_batch_size": 1024, "multiple_of": 8})
+    # N = 5 reaches 1024 with ceil(1024 / 5) = 205 -> 208 (a multiple of 8): 1040
+    assert (wide.balanced_micro_batch_size, wide.balanced_effective_batch_size) == (208, 1040)
+    assert "micro_batch_size=208 (effective batch 1040)" in wide.table()
+
+
+def test_command_line_gives_the_plan_of_the_function(tmp_path):
+    args = dict(target_batch_size=40, memory_limit="1GiB", max_micro_batch_size=16, multiple_of=16)
+    expected = plan_accumulation(BUILD, BATCH, verbose=False, **args)
+    out = subprocess.run(
+        [sys.executable, "-m", "accum_optimizer.plan", BUILD, BATCH, "--target-batch-size", "40",
+         "--memory-limit", "1GiB", "--max-micro-batch-size", "16", "--multiple-of", "16",
+         "--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png")],
+        capture_output=True, text=True, timeout=600, env=_cli_env(),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = Plan.from_json(tmp_path / "plan.json")
+    assert (got.micro_batch_size, got.gradient_accumulation_steps, got.effective_batch_size) == (16, 3, 48)
+    assert (expected.micro_batch_size, expected.gradient_accumulation_steps) == (16, 3)
+    assert abs(got.peak_bytes - expected.peak_bytes) <= NOISE * expected.peak_bytes
+    assert (tmp_path / "plan.png").stat().st_size > 0 and "micro_batch_size=16" in out.stdout
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(target_batch_size=0), r"`target_batch_size` must be a positive integer.*target_batch_size=0"),
+    (dict(memory_limit="-1GiB"), r"`memory_limit` must be a positive.*'-1GiB'"),
+    (dict(memory_limit="10 parsecs"), r"`memory_limit`.*'10 parsecs'"),
+    (dict(margin=1.5), r"`margin` must be a number in \(0, 1\].*margin=1.5"),
+    (dict(multiple_of=0), r"`multiple_of` must be a positive integer.*multiple_of=0"),
+    (dict(max_micro_batch_size=-4), r"`max_micro_batch_size`.*-4"),
+    (dict(build="no_such_module_42:build"), r"`build`='no_such_module_42:build'.*cannot be imported"),
+    (dict(batch="support.plan_models:nope"), r"`batch`='support.plan_models:nope'.*no callable 'nope'"),
+    (dict(build="support.plan_models"), r"`build` must be an importable 'module:function'"),
+    (dict(target_batch_size=4, multiple_of=8), r"No micro-batch size is a multiple of multiple_of=8"),
+])
+def test_bad_arguments_are_named_before_any_probe(kwargs, match):
+    args = dict(build=BUILD, batch=BATCH, target_batch_size=64, memory_limit="1GiB")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_accumulation(**args, verbose=False)
+
+
+def test_memory_limit_is_required_on_the_cpu():
+    with pytest.raises(ValueError, match=r"`memory_limit` is required where there is no GPU"):
+        plan_accumulation(BUILD, BATCH, target_batch_size=64, verbose=False)
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("10GiB") == 10 * 2**30 and parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(2e9) == 2_000_000_000 and parse_bytes(1024) == 1024
+
+
+def test_a_failing_build_function_shows_its_traceback(tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)raised, in the probe process.*no such dataset 'imagenet-42'"):
+        plan_accumulation("support.plan_models:build_raises", BATCH, target_batch_size=8, memory_limit="1GiB",
+                          verbose=False)
+
+
+def test_a_model_that_does_not_fit_at_the_smallest_size_says_what_it_needed(tmp_path):
+    """Through the command line (which calls the function): exit status 2,
+    the message with the bytes needed and the budget (0.9 x 64 KiB), and
+    nothing written."""
+    out = subprocess.run(
+        [sys.executable, "-m", "accum_optimizer.plan", BUILD, BATCH, "--target-batch-size", "8",
+         "--memory-limit", "64KiB", "--json", str(tmp_path / "plan.json")],
+        capture_output=True, text=True, timeout=600, env=_cli_env(),
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert re.search(r"does not fit even at micro_batch_size=1: it needed \d+ bytes against a budget of "
+                     r"58982 bytes \(margin=0.9 x memory_limit=65536\)", out.stderr), out.stderr[-3000:]
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_the_worked_example_in_the_readme_and_docs_is_the_saved_plan():
+    """README and docs/plan.md show the table of ``docs/plan/plan.json``,
+    which the command they name wrote (with ``docs/plan/plan.png``)."""
+    root = pathlib.Path(TESTS).parent
+    plan = Plan.from_json(root / "docs" / "plan" / "plan.json")
+    assert (root / "docs" / "plan" / "plan.png").exists()
+    assert plan.micro_batch_size % plan.multiple_of == 0 and plan.effective_batch_size >= plan.target_batch_size
+    for page in ("README.md", "docs/plan.md"):
+        text = (root / page).read_text()
+        block = text.split("<!-- plan-example:begin -->")[1].split("<!-- plan-example:end -->")[0]
+        assert block.strip() == f"```text\n{plan.table()}\n```", page
+        assert "examples.plan_model:build examples.plan_model:batch" in text

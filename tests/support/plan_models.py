@@ -1,0 +1,43 @@
+"""Models and batches for the planner's tests, named as ``"module:function"``
+by the tests and imported by its probe processes (``tests/`` on their
+``PYTHONPATH``).
+
+``build``: a small Keras CNN compiled with Adam (about 5 thousand
+parameters) on 32x32x3 images: its memory is mostly activations (about
+0.2 MiB per sample with their gradients), so a few samples' difference
+stands far above the CPU allocator's noise, which grows with the parameters'
+temporaries; ``batch(B)``: B samples of it (fixed seed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SIDE, CHANNELS, FILTERS, OUT = 32, 3, 16, 10
+
+
+def build():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((SIDE, SIDE, CHANNELS)),
+        keras.layers.Conv2D(FILTERS, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(FILTERS, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(FILTERS, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(OUT),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+def batch(micro_batch_size):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(micro_batch_size, SIDE, SIDE, CHANNELS)).astype(np.float32)
+    y = rng.normal(size=(micro_batch_size, OUT)).astype(np.float32)
+    return x, y
+
+
+def build_raises():
+    raise RuntimeError("the user's build function failed: no such dataset 'imagenet-42'")
