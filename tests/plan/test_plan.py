@@ -6,9 +6,11 @@ References: independent probes of the same model at the sizes the plan
 decides between (the CPU allocator's peak, in fresh processes); the formula
 ``N = ceil(T / (B * replicas))``; for the search itself, a step function
 whose answer is known. The planner's own probes and the independent ones
-agree within the allocator's noise (NOISE: a few percent between runs of the
-same size, measured up to 16 % at one size on this machine, so the sizes
-compared are twice apart, whose peaks differ by about 90 %).
+agree within the allocator's noise (NOISE: the CPU allocator's peak for one
+size varied by up to 28 % between processes on this machine, 8.15 against
+10.47 MiB at B = 32, from threaded kernels' temporaries; so the sizes the
+limit is placed between are four times apart, and the plan's B is checked
+against its own trials and an independent probe rather than fixed).
 """
 
 from support.families import require
@@ -29,15 +31,15 @@ from accum_optimizer.plan import Plan, parse_bytes, plan_accumulation, probe, se
 
 BUILD, BATCH = "support.plan_models:build", "support.plan_models:batch"
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOISE = 0.25  # relative: what one size's peak may vary between processes (see above)
+NOISE = 0.3  # relative: what one size's peak varied between processes here (28 %, see above)
 
 
 @pytest.fixture(scope="module")
 def peaks():
-    """Independent measurements at B = 16 and 32 (the probes import
+    """Independent measurements at B = 16 and 64 (the probes import
     ``support.plan_models`` as a user's module: ``tests/`` is on this
     process' path, which the probes inherit)."""
-    return {b: probe(BUILD, BATCH, b)["peak_bytes"] for b in (16, 32)}
+    return {b: probe(BUILD, BATCH, b)["peak_bytes"] for b in (16, 64)}
 
 
 def _cli_env():
@@ -75,27 +77,29 @@ def test_search_finds_the_largest_fitting_multiple_and_probes_its_neighbour(thre
 
 # ------------------------------------------------------------------ the plan
 def test_plan_chooses_the_largest_size_under_the_limit_and_its_n(peaks):
-    """A ``memory_limit`` halfway between the measured peaks at 16 and 32:
-    the plan's B is 16, its own trial at 16 agrees with the independent one,
-    32 was tried and does not fit; N and the effective batch follow the
-    formula; the trials' peaks grow with B."""
-    assert peaks[32] > peaks[16] * (1 + NOISE)  # the two sizes are told apart
-    limit = (peaks[16] + peaks[32]) // 2
+    """A ``memory_limit`` halfway between the peaks measured at 16 and 64
+    (four times apart: told apart beyond the noise): the plan's B fits by its
+    own trial, and an independent probe at B agrees with that trial within
+    the noise; B + 16 was tried and does not fit; B is a multiple of 16 in
+    [16, 64); N and the effective batch follow the formula; the peaks of the
+    doubling sizes grow with B."""
+    assert peaks[64] > peaks[16] * (1 + NOISE) ** 2  # the limit is beyond the noise of both
+    limit = (peaks[16] + peaks[64]) // 2
     lines = []
     plan = plan_accumulation(BUILD, BATCH, target_batch_size=100, memory_limit=limit, margin=1.0,
                              max_micro_batch_size=64, multiple_of=16, log=lines.append)
-    assert plan.micro_batch_size == 16 and plan.device == "CPU:0" and plan.replicas == 1
-    assert plan.gradient_accumulation_steps == 7 and plan.effective_batch_size == 112  # ceil(100 / 16) * 16
-    # the same N with the smallest multiple of 16 reaching 100: ceil(100 / 7) = 15 -> 16 (no smaller one)
-    assert plan.balanced_micro_batch_size == 16 and plan.balanced_effective_batch_size == 112
+    b = plan.micro_batch_size
+    assert b in (16, 32, 48) and plan.device == "CPU:0" and plan.replicas == 1
+    assert plan.gradient_accumulation_steps == -(-100 // b) and plan.effective_batch_size == plan.gradient_accumulation_steps * b
     by_size = {t["micro_batch_size"]: t for t in plan.trials}
-    assert by_size[16]["fits"] and not by_size[32]["fits"]
-    assert abs(by_size[16]["peak_bytes"] - peaks[16]) <= NOISE * peaks[16]
-    assert plan.peak_bytes == by_size[16]["peak_bytes"] <= limit
-    ordered = sorted(t["peak_bytes"] for t in plan.trials)
-    assert [t["peak_bytes"] for t in sorted(plan.trials, key=lambda t: t["micro_batch_size"])] == ordered
-    assert all(t["seconds_per_micro_step"] > 0 for t in plan.trials)
-    assert any("B=16" in line and "fits" in line for line in lines) and "micro_batch_size=16" in lines[-1]
+    assert by_size[b]["fits"] and not by_size[b + 16]["fits"]
+    assert plan.peak_bytes == by_size[b]["peak_bytes"] <= limit
+    independent = peaks[16] if b == 16 else probe(BUILD, BATCH, b)["peak_bytes"]
+    assert abs(by_size[b]["peak_bytes"] - independent) <= NOISE * independent
+    doubling = [by_size[size]["peak_bytes"] for size in (16, 32, 64) if size in by_size]
+    assert doubling == sorted(doubling) and len(doubling) >= 2
+    assert all(t["seconds_per_micro_step"] > 0 for t in plan.trials if t["peak_bytes"] is not None)
+    assert any(f"B={b}:" in line and "fits" in line for line in lines) and f"micro_batch_size={b}," in "".join(lines)
 
 
 def test_json_round_trip_and_plot(tmp_path):
