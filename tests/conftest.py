@@ -83,11 +83,14 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     """Each test in a family's folder carries that family's marker (the
-    contract tests' parameters carry theirs); then ``--leave-out`` deselects."""
+    contract tests' parameters carry theirs, and every contract test
+    ``contract``); then ``--leave-out`` deselects."""
     for item in items:
         folder = item.path.parent.name
         if folder in _FAMILY_FOLDERS:
             item.add_marker(getattr(pytest.mark, folder))
+        elif folder == "contract":
+            item.add_marker(pytest.mark.contract)
     groups = [set(g.split(",")) for g in config.getoption("--leave-out")]
     if not groups:
         return
