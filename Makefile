@@ -53,17 +53,22 @@ ENV_k3         :=
 # multi-worker processes and the benchmark smoke run.
 ARGS_k3        := --leave-out tf1,contract
 
+OLDEST_CONTRACT := $(addprefix tests/contract/test_,$(addsuffix .py,between_updates ema large_batch \
+  missing_gradients nonfinite pass_through resume saved_checkpoints strategies))
+
 DIR_k3-oldest    := $(VENVS)/k3-oldest
 PYTHON_k3-oldest := $(PYTHON)
 EXTRAS_k3-oldest := test,keras3
 PINS_k3-oldest   := tensorflow==2.16.2 keras==3.15.0
 ENV_k3-oldest    :=
 # This leg exists to prove the oldest versions pyproject claims (Keras < 3.15
-# fails the suite: README, Compatibility): every contract property (Keras 3's
-# cells: the large batch for every optimizer class, schedules, EMA, weighted
-# windows, flush, resume in Keras 3's checkpoint and store formats and of
-# the checkpoints saved by earlier versions, missing gradients, pass-through,
-# MirroredStrategy), argument validation and dispatch, the private-symbol
+# fails the suite: README, Compatibility): the contract properties (Keras 3's
+# cells: the large batch for every optimizer class, nothing moving between
+# updates, EMA, resume in Keras 3's checkpoint and store formats and of the
+# checkpoints saved by earlier versions, missing gradients, non-finite
+# policies, pass-through, strategies; weighted windows, flush, accumulation
+# schedules and the fit-level windows prove the shared window logic and run
+# in k3 only: time budget), argument validation and dispatch, the private-symbol
 # fence (core/test_compat.py: every private Keras/TF symbol resolves in
 # these versions), Keras 3's API and subclassing. The rest of tests/keras3/
 # checks the package's own logic through the same Keras code paths
@@ -72,7 +77,7 @@ ENV_k3-oldest    :=
 # benchmark smoke run, the property tests) and runs in k3 only; the TF1
 # family in k3 and tf215 (time budget).
 ARGS_k3-oldest   := $(TF1_TESTS) tests/test_environment.py tests/core/test_arguments.py tests/core/test_dispatch.py \
-  tests/core/test_compat.py tests/core/test_version.py tests/contract tests/keras3/test_api.py \
+  tests/core/test_compat.py tests/core/test_version.py $(OLDEST_CONTRACT) tests/keras3/test_api.py \
   tests/keras3/test_subclass.py
 
 DIR_tfkeras    := $(VENVS)/tfkeras
