@@ -22,7 +22,9 @@ import pytest
 import tensorflow as tf
 
 from accum_optimizer import AccumulatingOptimizer
-from support.reference import epsilon_16, make_data, make_mlp, max_abs_diff, mixed_precision_tolerance, weights
+from support.reference import (
+    UpdateWeights, epsilon_16, make_data, make_mlp, max_abs_diff, mixed_precision_tolerance, weights,
+)
 from support.distribution import ReductionCounter
 
 LSO = keras.optimizers.LossScaleOptimizer
@@ -529,19 +531,6 @@ EQ_OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-2),
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
 }
-
-
-class UpdateWeights(keras.callbacks.Callback):
-    """The trainable weights, flattened, before training and after each batch."""
-
-    def on_train_begin(self, logs=None):
-        self.history = [self._flat()]
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.history.append(self._flat())
-
-    def _flat(self):
-        return np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in self.model.trainable_variables])
 
 
 @pytest.mark.parametrize("opt_name", sorted(EQ_OPTIMIZERS))

@@ -127,19 +127,6 @@ def test_tfa_h5_model_loads_in_a_fresh_process_and_resumes_bitwise(tmp_path):
 
 
 # --------------------------------- issue 22: what tfa's own tests find
-class _UpdateWeights(tf.keras.callbacks.Callback):
-    """The trainable weights, flattened, before training and after each batch."""
-
-    def on_train_begin(self, logs=None):
-        self.history = [self._flat()]
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.history.append(self._flat())
-
-    def _flat(self):
-        return np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in self.model.trainable_variables])
-
-
 MP_INNERS = {
     "legacy_adam": lambda: L.Adam(1e-2),
     "tfa_adamw": lambda: T.AdamW(weight_decay=1e-4, learning_rate=1e-2),
@@ -175,7 +162,7 @@ def test_mixed_float16_fit_with_the_loss_scale_optimizer_outside(name, n, mixed_
     ``1 - weight_decay`` per update, which only shrinks it."""
     make_inner = MP_INNERS[name]
     x, y = R.make_data(n * MP_B * MP_UPDATES)
-    recorder = _UpdateWeights()
+    recorder = R.UpdateWeights()
     ref = R.make_mlp(0, hidden=16, dtype=None)
     ref.compile(optimizer=make_inner(), loss="mse")
     ref.fit(x, y, batch_size=n * MP_B, shuffle=False, verbose=0, callbacks=[recorder])

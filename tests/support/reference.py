@@ -330,6 +330,21 @@ def missing_grad_reference(inner_fn, x, y, mb, n=4, pattern=MISSING_GRAD_PATTERN
 
 
 # ------------------------------------------------------ mixed precision
+class UpdateWeights(keras.callbacks.Callback):
+    """The trainable weights, flattened, before training and after each
+    batch (the active Keras' callback): what :func:`mixed_precision_tolerance`
+    reads as ``reference_weights``."""
+
+    def on_train_begin(self, logs=None):
+        self.history = [self._flat()]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.history.append(self._flat())
+
+    def _flat(self):
+        return np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in self.model.trainable_variables])
+
+
 def epsilon_16(policy: str) -> float:
     """Machine epsilon of a mixed policy's compute dtype (float16: 2**-10,
     bfloat16: 2**-7)."""
