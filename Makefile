@@ -10,6 +10,10 @@
 #   k3-oldest  .venvs/k3-oldest     the oldest pyproject claims: TF 2.16.2 + Keras 3.15.0
 #   tfkeras    .venvs/tfkeras       TF 2.21 + tf_keras 2.21 (TF_USE_LEGACY_KERAS=1)
 #   tf215      .venvs/tf215         TF 2.15.1 + its Keras 2.15 + tensorflow-addons 0.23
+#   k3-jax     .venvs/k3-jax        Keras 3.15 on JAX 0.10 (CPU wheels), no TensorFlow
+#   k3-torch   .venvs/k3-torch      Keras 3.15 on torch 2.x, no TensorFlow: opt-in,
+#                                   `make test-torch` (the index's torch wheels bring
+#                                   the CUDA libraries: 5.5 GB; README, Tests)
 #
 # Tests of a family a leg lacks skip with a reason (tests/support/families.py).
 # After the legs, `make test` builds the documentation site (`make docs`,
@@ -24,7 +28,8 @@ BENCH_ARGS ?= --quick
 BENCH_OUT  ?= bench_output
 SHELL := bash
 
-ALL_LEGS := k3 k3-oldest tfkeras tf215
+ALL_LEGS := k3 k3-oldest tfkeras tf215 k3-jax
+OPT_IN_LEGS := k3-torch
 LEGS ?= $(ALL_LEGS)
 # `make test TEST_DOCS=` leaves the docs build out.
 TEST_DOCS ?= yes
@@ -45,7 +50,7 @@ TF1_TESTS := --leave-out tf1
 # ---- per-leg environment: directory, Python, extras, pins, pytest env/args
 DIR_k3         := $(VENV)
 PYTHON_k3      := $(PYTHON)
-EXTRAS_k3      := test,demo,keras3
+EXTRAS_k3      := test,demo,keras3,tensorflow
 PINS_k3        := tensorflow==2.21.* keras==3.15.*
 ENV_k3         :=
 # Everything but the TF1 family's contract cells: the Keras 3 and TF1
@@ -58,7 +63,7 @@ OLDEST_CONTRACT := $(addprefix tests/contract/test_,$(addsuffix .py,between_upda
 
 DIR_k3-oldest    := $(VENVS)/k3-oldest
 PYTHON_k3-oldest := $(PYTHON)
-EXTRAS_k3-oldest := test,keras3
+EXTRAS_k3-oldest := test,keras3,tensorflow
 PINS_k3-oldest   := tensorflow==2.16.2 keras==3.15.0
 ENV_k3-oldest    :=
 # This leg exists to prove the oldest versions pyproject claims (Keras < 3.15
@@ -101,8 +106,24 @@ ENV_tf215      :=
 # so do the Keras 2 families' multi-worker processes, keras2/test_multiworker.py.)
 ARGS_tf215     := --leave-out keras2,windows --leave-out multiworker
 
-.PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
-	$(addprefix venv-,$(LEGS)) $(addprefix test-,$(LEGS))
+# Keras 3 on JAX and torch: the tests written once with keras.ops and NumPy
+# (tests/backends/; k3 runs them on TensorFlow), in venvs without TensorFlow.
+DIR_k3-jax      := $(VENVS)/k3-jax
+PYTHON_k3-jax   := $(PYTHON)
+EXTRAS_k3-jax   := test,keras3
+PINS_k3-jax     := keras==3.15.* jax[cpu]==0.10.*
+ENV_k3-jax      := KERAS_BACKEND=jax
+ARGS_k3-jax     := tests/backends
+
+DIR_k3-torch    := $(VENVS)/k3-torch
+PYTHON_k3-torch := $(PYTHON)
+EXTRAS_k3-torch := test,keras3
+PINS_k3-torch   := keras==3.15.* torch==2.*
+ENV_k3-torch    := KERAS_BACKEND=torch
+ARGS_k3-torch   := tests/backends
+
+.PHONY: venv venvs demo test test-full test-nightly test-torch bench docs venv-docs clean \
+	$(addprefix venv-,$(ALL_LEGS) $(OPT_IN_LEGS)) $(addprefix test-,$(ALL_LEGS) $(OPT_IN_LEGS))
 
 # A leg's stamp is named after a checksum of its Python, extras and pins, so
 # changing a pin reinstalls that leg (and only it); editing pyproject.toml
@@ -125,7 +146,7 @@ test-$(1): $$(STAMP_$(1))
 	  ACCUM_LEG=$(1) ACCUM_LEG_PINS='$$(PINS_$(1))' ACCUM_PASSED_OUT=$(VENVS)/.passed-$(1).txt \
 	  $$(DIR_$(1))/bin/python -m pytest $$(ARGS_$(1)) $$(PYTEST_ARGS)
 endef
-$(foreach leg,$(LEGS),$(eval $(call LEG_RULES,$(leg))))
+$(foreach leg,$(sort $(ALL_LEGS) $(OPT_IN_LEGS) $(LEGS)),$(eval $(call LEG_RULES,$(leg))))
 
 venv: venv-k3
 
@@ -219,6 +240,10 @@ test-nightly:
 	  $(NIGHTLY_DIR)/bin/python -m accum_optimizer._compat; \
 	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow ACCUM_LEG=nightly ACCUM_LEG_PINS='$(NIGHTLY_PINS)' \
 	  $(NIGHTLY_DIR)/bin/python -m pytest $(NIGHTLY_ARGS) $(PYTEST_ARGS)
+
+## Keras 3 on torch (opt-in: its venv is 5.5 GB), then nothing else.
+test-torch:
+	$(MAKE) --no-print-directory test LEGS=k3-torch TEST_DOCS=
 
 ## The same with the larger hypothesis profile (slow; opt-in).
 test-full:

@@ -3,7 +3,7 @@
 A leaf module (it imports nothing of this package): the dispatcher and the
 families both ask it. Looking only at ``sys.modules`` means asking imports
 nothing the user did not, except :func:`active_keras`, which imports
-TensorFlow to resolve ``tf.keras``.
+TensorFlow (if installed) to resolve ``tf.keras``.
 """
 
 from __future__ import annotations
@@ -46,9 +46,25 @@ def active_keras() -> tuple[str, Any]:
 
     ``tf.keras`` is Keras 3 on TF >= 2.16 unless ``TF_USE_LEGACY_KERAS`` is
     set (then ``tf_keras``), and Keras 2 on TF <= 2.15. Resolving it imports
-    only that Keras.
+    only that Keras. Without TensorFlow (Keras 3 on JAX or torch): Keras 3.
+
+    Raises:
+        ImportError: neither TensorFlow nor Keras 3 is installed.
     """
-    import tensorflow as tf
+    try:
+        import tensorflow as tf
+    except ImportError:
+        try:
+            import keras
+        except ImportError:
+            raise ImportError(
+                "accum_optimizer needs Keras 3 (pip install 'accum-optimizer[keras3]' and a backend: "
+                "jax, torch or tensorflow) or TensorFlow (pip install 'accum-optimizer[tensorflow]'); "
+                "neither is installed."
+            ) from None
+        if major(keras) < 3:
+            raise ImportError(f"`import keras` is Keras {keras.__version__} and TensorFlow is not installed.")
+        return "keras3", keras
 
     top = tf.keras.optimizers.Optimizer.__module__.split(".")[0]
     package = sys.modules[top]

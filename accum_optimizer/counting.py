@@ -11,17 +11,18 @@ thread) takes it with :func:`reported_count` as that micro-step's
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
-
-import tensorflow as tf
 
 _pending = threading.local()
 
 
 def _graph() -> Any:
-    """The graph being built (``None`` when executing eagerly)."""
-    if tf.executing_eagerly():
+    """The TensorFlow graph being built (``None`` when executing eagerly,
+    and on JAX and torch)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or tf.executing_eagerly():
         return None
     return tf.compat.v1.get_default_graph()
 
@@ -37,22 +38,27 @@ def _graphs() -> list:
     return chain or [None]
 
 
-def report_count(count: Any, loss_reduction: str, source: str) -> None:
+def report_count(count: Any, loss_reduction: str, source: str, reporter: Any = None) -> None:
     """Record ``count`` (float32 scalar tensor) for this train step.
 
     ``loss_reduction``: the reduction of the loss that computed it (the
     optimizer checks that its own ``reduction`` fits); ``source``: the
-    loss's name, for messages. A second report in the same graph before an
-    optimizer took the first is remembered, and :func:`reported_count` then
-    raises: one window weight per micro-step cannot serve two losses with
-    different counts.
+    loss's name, for messages; ``reporter``: the loss object. A second
+    report in the same graph before an optimizer took the first is
+    remembered, and :func:`reported_count` then raises: one window weight
+    per micro-step cannot serve two losses with different counts. A report
+    by a loss that already reported one not taken starts afresh: that one
+    came from a step no optimizer followed (an evaluation step; a trace of
+    the loss alone, as Keras' JAX trainer makes when it builds).
     """
     graph = _graph()
     previous = getattr(_pending, "value", None)
-    sources = [source]
-    if previous is not None and previous["graph"] is graph:
-        sources = previous["sources"] + sources
-    _pending.value = {"graph": graph, "count": count, "reduction": loss_reduction, "sources": sources}
+    sources, reporters = [source], [reporter]
+    if (previous is not None and previous["graph"] is graph
+            and (reporter is None or not any(r is reporter for r in previous["reporters"]))):
+        sources, reporters = previous["sources"] + sources, previous["reporters"] + reporters
+    _pending.value = {"graph": graph, "count": count, "reduction": loss_reduction, "sources": sources,
+                      "reporters": reporters}
 
 
 def reported_count(reduction: str | None = None) -> Any:
@@ -89,7 +95,7 @@ def reported_count(reduction: str | None = None) -> Any:
     return pending["count"]
 
 
-def micro_batch_count(values: Any, weights: Any, mask: Any, reduction: str) -> Any:
+def micro_batch_count(values: Any, weights: Any, mask: Any, reduction: str, xp: Any = None) -> Any:
     """float32 scalar: the count ``c`` of one micro-batch, such that the
     Keras loss reduced with ``reduction`` is ``Σ(terms) / c``; 0 for a
     micro-batch whose every element is masked (Keras' loss is then 0,
@@ -103,19 +109,53 @@ def micro_batch_count(values: Any, weights: Any, mask: Any, reduction: str) -> A
     micro-step), ``"sum_over_batch_size"`` / ``"mean"`` (the number of
     elements; with a mask, the divisor of the valid ones: Keras weighs them
     by total / valid), ``"mean_with_sample_weight"`` (Keras 3: the sum of
-    the weights)."""
+    the weights). ``xp``: the ops it is computed with (TensorFlow's by
+    default; :class:`KerasOps` for ``keras.ops``)."""
+    xp = xp or _TensorFlow()
     if reduction == "sum":
-        return tf.constant(1.0, tf.float32)
-    values = tf.convert_to_tensor(values)
-    elements = tf.cast(tf.size(values), tf.float32)
+        return xp.float32(1.0)
+    values = xp.convert(values)
+    elements = xp.float32(xp.size(values))
     if reduction == "mean_with_sample_weight":
-        count = elements if weights is None else tf.cast(tf.reduce_sum(weights * tf.ones_like(values)), tf.float32)
+        count = elements if weights is None else xp.float32(xp.sum(weights * xp.ones_like(values)))
     elif mask is not None:
         # The divisor of the valid entries' sum is `elements * valid / total`,
         # `valid` when the mask has the losses' shape.
-        total = tf.cast(tf.size(mask), tf.float32)
-        valid = tf.reduce_sum(tf.cast(tf.cast(mask, tf.bool), tf.float32))
-        count = tf.where(tf.equal(total, elements), valid, elements * valid / total)
+        total = xp.float32(xp.size(mask))
+        valid = xp.sum(xp.float32(xp.cast(mask, "bool")))
+        count = xp.where(xp.equal(total, elements), valid, elements * valid / total)
     else:
         count = elements
-    return tf.stop_gradient(count)
+    return xp.stop_gradient(count)
+
+
+class _TensorFlow:
+    """The ops :func:`micro_batch_count` uses, in TensorFlow (the Keras 2
+    families, Keras 3 on TensorFlow); :class:`KerasOps` has them in
+    ``keras.ops``."""
+
+    def __init__(self) -> None:
+        import tensorflow as tf
+
+        self.tf = tf
+        self.convert, self.size, self.ones_like = tf.convert_to_tensor, tf.size, tf.ones_like
+        self.sum, self.where, self.equal, self.stop_gradient = tf.reduce_sum, tf.where, tf.equal, tf.stop_gradient
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        return self.tf.cast(x, dtype)
+
+    def float32(self, x: Any) -> Any:
+        return self.tf.cast(x, self.tf.float32)
+
+
+class KerasOps:
+    """:func:`micro_batch_count`'s ops in ``keras.ops`` (any Keras 3 backend)."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+        self.convert, self.size, self.ones_like = ops.convert_to_tensor, ops.size, ops.ones_like
+        self.sum, self.where, self.equal, self.stop_gradient = ops.sum, ops.where, ops.equal, ops.stop_gradient
+        self.cast = ops.cast
+
+    def float32(self, x: Any) -> Any:
+        return self.ops.cast(x, "float32")

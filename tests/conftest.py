@@ -25,12 +25,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # needs; without it that call raises "Allocator stats not available".
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-import tensorflow as tf  # noqa: E402
-
-_cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(
-    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
-)
+try:  # (the k3-jax and k3-torch legs have no TensorFlow: they run tests/backends/)
+    import tensorflow as tf  # noqa: E402
+except ImportError:
+    tf = None
+else:
+    _cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+    )
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -71,6 +74,9 @@ def strategy():
 
 
 _FAMILY_FOLDERS = ("keras3", "keras2", "legacy", "tf1")
+# Folders whose tests are another family's: tests/backends/ is Keras 3's on
+# whichever backend runs.
+_FOLDER_FAMILY = {"backends": "keras3"}
 
 
 def pytest_addoption(parser):
@@ -87,8 +93,8 @@ def pytest_collection_modifyitems(config, items):
     ``contract``); then ``--leave-out`` deselects."""
     for item in items:
         folder = item.path.parent.name
-        if folder in _FAMILY_FOLDERS:
-            item.add_marker(getattr(pytest.mark, folder))
+        if folder in _FAMILY_FOLDERS or folder in _FOLDER_FAMILY:
+            item.add_marker(getattr(pytest.mark, _FOLDER_FAMILY.get(folder, folder)))
         elif folder == "contract":
             item.add_marker(pytest.mark.contract)
     groups = [set(g.split(",")) for g in config.getoption("--leave-out")]
@@ -112,11 +118,12 @@ def pytest_report_header(config):
         except metadata.PackageNotFoundError:
             return "-"
 
-    dists = ["tensorflow", "keras", "tf_keras", "tensorflow-addons", "numpy"]
+    dists = ["tensorflow", "keras", "tf_keras", "tensorflow-addons", "jax", "torch", "numpy"]
     usable = [f for f in families.FAMILIES if families.available(f)]
     return [
         f"accum_optimizer leg: {os.environ.get('ACCUM_LEG', '(not set)')}; Python {platform.python_version()}; "
-        f"TF_USE_LEGACY_KERAS={os.environ.get('TF_USE_LEGACY_KERAS', '')}",
+        f"TF_USE_LEGACY_KERAS={os.environ.get('TF_USE_LEGACY_KERAS', '')}; "
+        f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '')}",
         "installed: " + ", ".join(f"{d} {version(d)}" for d in dists),
         "families usable here: " + (", ".join(usable) or "none"),
     ]

@@ -236,19 +236,21 @@ def optimizer_tree(optimizer: Any) -> list:
     return found
 
 
-def install_gates(inner: Any, variables: Sequence[Any], gates: dict) -> Callable[[], None]:
+def install_gates(inner: Any, variables: Sequence[Any], gates: dict, cond: Any = None) -> Callable[[], None]:
     """Run the per-variable mutations of ``inner`` (and the optimizers it
     delegates to) on each variable in ``gates`` (index in ``variables`` ->
-    boolean scalar) under ``keras.ops.cond`` on its gate: ``update_step``,
-    weight decay and the variable's constraint. Returns the function that
-    undoes it."""
+    boolean scalar) under ``cond`` on its gate (``keras.ops.cond`` by
+    default; on JAX a ``cond`` whose branches may write variables):
+    ``update_step``, weight decay and the variable's constraint. Returns the
+    function that undoes it."""
     require(APPLY_WEIGHT_DECAY, keras)
+    cond = cond or keras.ops.cond
     patched = []
     for opt in optimizer_tree(inner):
         keyed = {var_key(opt, variables[i]): g for i, g in gates.items()}
         by_key = {var_key(opt, variables[i]): variables[i] for i in gates}
         patched.append(opt)
-        object.__setattr__(opt, "update_step", _gated_update_step(opt, keyed, by_key))
+        object.__setattr__(opt, "update_step", _gated_update_step(opt, keyed, by_key, cond))
         object.__setattr__(opt, "_apply_weight_decay", _gated_weight_decay(opt, keyed))
     constrained = []
     for i, gate in gates.items():
@@ -303,7 +305,7 @@ def decay_one(opt: Any, variable: Any, component: Any) -> None:
     component.assign(component - component * wd * lr)
 
 
-def _gated_update_step(opt: Any, gates: dict, variables: dict) -> Callable:
+def _gated_update_step(opt: Any, gates: dict, variables: dict, cond: Callable) -> Callable:
     orig = opt.update_step
 
     def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
@@ -318,7 +320,7 @@ def _gated_update_step(opt: Any, gates: dict, variables: dict) -> Callable:
             decay_one(opt, variables[key], variable)
             orig(gradient, variable, learning_rate)
 
-        return keras.ops.cond(gate, update, lambda: None)
+        return cond(gate, update, lambda: None)
 
     return update_step
 

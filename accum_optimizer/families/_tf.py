@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from accum_optimizer import _args
+from accum_optimizer.families._accumulating import shape_mismatch
 
 
 class TFBackend:
@@ -294,11 +295,7 @@ def check_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any], name_o
         if len(g_shape) != len(v_shape) or any(
             a is not None and b is not None and a != b for a, b in zip(g_shape, v_shape)
         ):
-            raise ValueError(
-                f"Gradient shape {g_shape} does not match the shape {v_shape} "
-                f"of variable {name_of(v)!r}; each gradient must have "
-                "its variable's shape."
-            )
+            raise shape_mismatch(g_shape, v_shape, name_of(v))
 
 
 def shape_checked(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> list:
@@ -353,17 +350,6 @@ def _as_gradient(g: Any, v: Any) -> Any:
 
 def _as_tensor(value: Any, dtype: Any) -> Any:
     return value if tf.is_tensor(value) else tf.convert_to_tensor(value, dtype=tf.as_dtype(dtype).base_dtype)
-
-
-def no_gradients(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> None:
-    """Raise ValueError if every gradient is ``None``."""
-    if all(g is None for g in grads):
-        raise ValueError(f"No gradients provided for any variable: {[name_of(v) for v in variables]}.")
-
-
-def variable_name(variable: Any) -> str:
-    """``keras.Variable.path``, or a ``tf.Variable``'s name."""
-    return getattr(variable, "path", None) or variable.name
 
 
 def op_name(name: str) -> str:

@@ -98,7 +98,7 @@ class _CountedLoss:
         losses, _CALLED.losses = _CALLED.losses, None
         reduction = "sum" if self.reduction == "sum" else "sum_over_batch_size"
         count = _count(self._keras, losses, y_pred, sample_weight, reduction)
-        counting.report_count(count, reduction, self.name)
+        counting.report_count(count, reduction, self.name, self)
         return value
 
     def get_config(self) -> dict:

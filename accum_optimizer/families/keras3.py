@@ -1,12 +1,15 @@
-"""`AccumulatingOptimizer` for Keras 3 (on the TensorFlow backend).
+"""`AccumulatingOptimizer` for Keras 3, on the TensorFlow, JAX and torch backends.
 
 Modelled on Keras 3's ``keras.optimizers.LossScaleOptimizer``
 (``keras/src/optimizers/loss_scale_optimizer.py``): a wrapper with its own
 variables plus the inner optimizer's, forwarding ``learning_rate``,
 ``iterations`` and ``scale_loss``, serializing the inner optimizer in
-``get_config``. What it shares with the Keras 2 and legacy families (the
-``tf.distribute`` route, flush, gating, pass-through) is
-:mod:`accum_optimizer.families._tf2`; the algorithm is
+``get_config``. What it shares with the Keras 2 and legacy families (build
+order, gating, pass-through, flush) is
+:mod:`accum_optimizer.families._accumulating`; its route on TensorFlow (the
+``tf.distribute`` route, ``tf.function``) is
+:mod:`accum_optimizer.families._tf2`, on JAX and torch (``keras.ops``,
+``stateless_apply``) :mod:`accum_optimizer.families._keras_ops`; the algorithm is
 :mod:`accum_optimizer.core`; Keras' private symbols are
 :mod:`accum_optimizer._compat.keras3`.
 """
@@ -21,18 +24,25 @@ import keras
 
 from accum_optimizer import _args, _compat, core
 from accum_optimizer._compat import keras3 as compat
-from accum_optimizer.families import _tf2
+from accum_optimizer.families._accumulating import deserialize_schedule, serialize_schedule, variable_name
 from accum_optimizer.families.keras3_saving import Keras3Saving
-from accum_optimizer.families._tf import variable_name
 
 if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
     raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
+
+BACKENDS = ("tensorflow", "jax", "torch")
+"""The Keras backends the wrapper runs on."""
+
+if keras.backend.backend() == "tensorflow":
+    from accum_optimizer.families import _tf2 as _route
+else:  # (another backend is refused when a wrapper is made: _check_environment)
+    from accum_optimizer.families import _keras_ops as _route
 
 _INNER_ONLY_ARGS = {**_args.KERAS_OPTIMIZER_ARGUMENTS, "loss_scale_factor": None}
 
 
 @keras.saving.register_keras_serializable(package="accum_optimizer")
-class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3Saving, _tf2.Accumulating,
+class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3Saving, _route.Accumulating,
                             keras.optimizers.Optimizer):
     """Accumulate gradients over micro-batches, update once per window.
 
@@ -175,11 +185,11 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
     _NONFINITE = core.NONFINITE_POLICIES
 
     def _check_environment(self) -> None:
-        if keras.backend.backend() != "tensorflow":
+        if keras.backend.backend() not in BACKENDS:
             raise NotImplementedError(
-                "AccumulatingOptimizer supports Keras 3 on the TensorFlow backend "
-                f"for now; this Keras runs the {keras.backend.backend()!r} "
-                "backend (KERAS_BACKEND). Use KERAS_BACKEND=tensorflow."
+                "AccumulatingOptimizer supports Keras 3 on the backends "
+                f"{', '.join(BACKENDS)}; this Keras runs the {keras.backend.backend()!r} "
+                "backend (KERAS_BACKEND). Use KERAS_BACKEND=jax, torch or tensorflow."
             )
 
     def _check_accumulator_dtype(self, value: Any) -> str | None:
@@ -247,7 +257,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
             return
         var_list = list(var_list)
         if self._accumulates:
-            _tf2.check_strategy()
+            self._check_strategy_at_build()
             for v in var_list:
                 if getattr(v, "overwrite_with_gradient", False):
                     raise ValueError(
@@ -298,7 +308,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         # happen now, not in a graph that tf.function may discard.
         if self._deferred_state is not None:
             state, self.__dict__["_deferred_state"] = self._deferred_state, None
-            with _tf2.outside_functions():
+            with self._outside_functions():
                 self.load_own_variables(state)
         self._attach_outer(compat.outer_loss_scale_optimizer(self))
 
@@ -318,7 +328,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         divides the saved sum by the replica count, which turns an integer
         mark of 1 into 0 but a float16 one into 0.5 (still a mark)."""
         name = f"{variable_name(reference).replace('/', '_').replace(':', '_')}_{kind}"
-        with _tf2.colocated_with(self, reference):
+        with self._colocated_with(reference):
             variable = keras.Variable(
                 initializer=keras.initializers.Zeros(), shape=shape, dtype=dtype, trainable=False,
                 autocast=autocast, aggregation="sum", synchronization="on_read", name=name,
@@ -463,14 +473,14 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         self.inner_optimizer.apply(grads, variables)
 
     def _install_gates(self, gates: dict) -> Any:
-        return compat.install_gates(self.inner_optimizer, self._build_order, gates)
+        return compat.install_gates(self.inner_optimizer, self._build_order, gates, self._gate_cond())
 
     # ---------------------------------------------------------- serialization
     def get_config(self) -> dict:
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "gradient_accumulation_steps": _tf2.serialize_schedule(keras, self.gradient_accumulation_steps),
+            "gradient_accumulation_steps": serialize_schedule(keras, self.gradient_accumulation_steps),
             "reduction": self.reduction,
             "nonfinite": self.nonfinite,
             "accumulator_dtype": self.accumulator_dtype,
@@ -478,7 +488,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> "AccumulatingOptimizer":
-        config = _tf2.deserialize_schedule(keras, dict(config), custom_objects)
+        config = deserialize_schedule(keras, dict(config), custom_objects)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
 

@@ -20,10 +20,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from accum_optimizer import core
 from accum_optimizer._compat import keras3 as compat
-from accum_optimizer.families import _tf2
-from accum_optimizer.families._tf import variable_name
+from accum_optimizer.families._accumulating import assign_all, saved_layout, variable_name
 
 # Key prefix, in this optimizer's saved store, of the variables of a
 # LossScaleOptimizer outside (see `save_own_variables`).
@@ -51,7 +49,7 @@ class Keras3Saving:
         self.__dict__["_outer_ref"] = weakref.ref(outer)
         if self._deferred_outer_state is not None:
             state, self.__dict__["_deferred_outer_state"] = self._deferred_outer_state, None
-            with _tf2.outside_functions():
+            with self._outside_functions():
                 self._load_outer_state(state)
         if self.nonfinite != "propagate":
             compat.hook_non_finite_branch(outer, self, self._outer_skipped_micro_step)
@@ -59,13 +57,7 @@ class Keras3Saving:
     def _outer_skipped_micro_step(self) -> None:
         """Record a micro-step that the ``LossScaleOptimizer`` outside skipped:
         the same micro-step as a non-finite one seen here, with no gradients."""
-        import tensorflow as tf
-
-        grads = [None] * len(self._build_order)
-        if tf.distribute.in_cross_replica_context():
-            self._cross_replica_step(tf.distribute.get_strategy(), grads, finite=False)
-        else:
-            self._micro_step(grads, core.ONE_REPLICA, finite=False)
+        self._record_skipped_micro_step()
 
     def _outer_own_variables(self) -> list:
         """The outer optimizer's own variables (its ``variables`` without
@@ -102,7 +94,7 @@ class Keras3Saving:
                 "set_weights() needs a built optimizer; call "
                 "`optimizer.build(trainable_variables)` first."
             )
-        _tf2.assign_all(self.variables, list(weights), variable_name)
+        assign_all(self.variables, list(weights), variable_name)
 
     def save_own_variables(self, store: Any) -> None:
         """Save :attr:`variables` (keys ``"0"``, ``"1"``, ...) and, with a
@@ -131,7 +123,7 @@ class Keras3Saving:
         them with a warning.) An empty store (weights saved without optimizer state)
         restores nothing. State saved without the variables of the skipping
         policies, the window's position or the row trackers (older versions,
-        another policy) loads too (see :func:`_tf2.saved_layout`). The state
+        another policy) loads too (see :func:`~accum_optimizer.families._accumulating.saved_layout`). The state
         of a ``LossScaleOptimizer`` outside, if saved, is restored into the
         ``LossScaleOptimizer`` this optimizer is built by.
 
@@ -146,14 +138,14 @@ class Keras3Saving:
         if not self.built:
             model = compat.model_being_loaded(self)
             if model is not None:  # model.load_weights: built now, as its first train step would
-                _tf2.build_for_loading(model)
+                self._build_for_loading(model)
         if not self.built:  # called directly, with no model: restored when it builds
             self.__dict__["_deferred_state"] = {k: np.asarray(store[k]) for k in keys}
             self._restore_counters(self._deferred_state)
             return
         d = self.__dict__
         blocks = [d["_nonfinite_variables"], d["_window_variables"], d["_tracker_variables"]]
-        variables = _tf2.saved_layout(self.variables, blocks, [np.asarray(store[k]) for k in sorted(own_keys, key=int)])
+        variables = saved_layout(self.variables, blocks, [np.asarray(store[k]) for k in sorted(own_keys, key=int)])
         if len(own_keys) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{self.name}': it has "

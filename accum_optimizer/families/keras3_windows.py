@@ -22,6 +22,7 @@ from accum_optimizer.families import _windows
 if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
     raise ImportError(f"{__name__} needs Keras 3; `import keras` is Keras {keras.__version__} here.")
 
+_OPS = counting.KerasOps(ops)
 _REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
 
 
@@ -95,7 +96,7 @@ class CountedLoss(keras.losses.Loss):
                 losses, sample_weight=sample_weight, mask=mask, reduction=inner.reduction, dtype=inner.dtype
             )
             count = micro_batch_count(losses, sample_weight, mask, inner.reduction, inner.dtype)
-        counting.report_count(count, inner.reduction, self.name)
+        counting.report_count(count, inner.reduction, self.name, self)
         return value
 
     def call(self, y_true: Any, y_pred: Any) -> Any:
@@ -119,7 +120,7 @@ def micro_batch_count(losses: Any, sample_weight: Any, mask: Any, reduction: str
     ``reduce_weighted_values``, decide the shape it divides by; the count
     itself is :func:`accum_optimizer.counting.micro_batch_count`."""
     if reduction == "sum":
-        return counting.micro_batch_count(None, None, None, reduction)
+        return counting.micro_batch_count(None, None, None, reduction, _OPS)
     values = ops.convert_to_tensor(losses, dtype=dtype)
     weights = None if sample_weight is None else ops.convert_to_tensor(sample_weight, dtype=dtype)
     keras_loss = compat.loss_helpers()
@@ -128,7 +129,7 @@ def micro_batch_count(losses: Any, sample_weight: Any, mask: Any, reduction: str
         weights = ops.cast(weights, values.dtype)
         values, weights = keras_loss.squeeze_or_expand_to_same_rank(values, weights)
         values = values * weights
-    return counting.micro_batch_count(values, weights, mask, reduction)
+    return counting.micro_batch_count(values, weights, mask, reduction, _OPS)
 
 
 def _resolve_loss(loss: Any, reduction: str | None) -> keras.losses.Loss:
