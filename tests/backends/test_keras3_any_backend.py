@@ -413,3 +413,38 @@ def test_leg_runs_its_backend_without_tensorflow():
     for pin in os.environ.get("ACCUM_LEG_PINS", "").split():
         requirement = Requirement(pin)
         assert metadata.version(requirement.name) in requirement.specifier, pin
+
+
+_DATA_PARALLEL = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, keras, numpy as np
+from accum_optimizer import AccumulatingOptimizer
+rng = np.random.default_rng(0)
+x = rng.normal(size=(48, 5)).astype("float32"); y = rng.normal(size=(48, 1)).astype("float32")
+def run(optimizer, batch_size, distribution):
+    keras.distribution.set_distribution(distribution)  # before any variable (the optimizer's too)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer(), "mse")
+    model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights(), len(jax.devices())
+ref, _ = run(lambda: keras.optimizers.Adam(0.01), 12, None)
+acc, devices = run(lambda: AccumulatingOptimizer(keras.optimizers.Adam(0.01), 3), 4,
+                   keras.distribution.DataParallel(devices=jax.devices()))
+print(devices, max(float(np.abs(a - b).max()) for a, b in zip(ref, acc)))
+"""
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution.DataParallel over 2 CPU devices: JAX only")
+def test_jax_data_parallel_over_two_devices_trains_like_the_single_device_large_batch():
+    """``keras.distribution.DataParallel`` over 2 CPU devices
+    (``--xla_force_host_platform_device_count=2``, set before JAX starts:
+    a fresh process), micro-batches of 4 (2 per device), N = 3, against one
+    device's ``fit(batch_size=12)``."""
+    out = subprocess.run([sys.executable, "-c", _DATA_PARALLEL], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    devices, diff = out.stdout.split()[-2:]
+    assert int(devices) == 2
+    assert float(diff) <= TOL, diff
