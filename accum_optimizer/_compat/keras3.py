@@ -214,6 +214,47 @@ def hook_non_finite_branch(outer: Any, owner: Any, on_skip: Callable[[], None]) 
     object.__setattr__(outer, "_stateful_handle_non_finite_grads", handle_non_finite_grads)
 
 
+STATELESS_NON_FINITE_BRANCH = private(
+    "keras.optimizers.LossScaleOptimizer._stateless_handle_non_finite_grads (replaced on the instance)",
+    "keras",
+    "where LossScaleOptimizer.stateless_apply (JAX) skips a non-finite micro-step without calling the "
+    "inner stateless_apply; a wrapper there records the skipped micro-step in the state it returns "
+    "(nonfinite='skip_micro_step'/'skip_window')",
+    CHECKED + ", 3.15.1 (JAX 0.10.2)",
+    lambda k: k.optimizers.LossScaleOptimizer._stateless_handle_non_finite_grads,
+)
+
+
+def hook_stateless_non_finite_branch(outer: Any, owner: Any, on_skip: Callable[[], None]) -> None:
+    """Make ``outer``'s stateless non-finite branch (``stateless_apply``, JAX)
+    also run ``on_skip`` (once per ``owner``) on the state it returns: in a
+    ``keras.StatelessScope`` over ``outer``'s variables and the trainable
+    variables ``owner`` was built with, whose new values it returns instead.
+
+    Raises:
+        PrivateSymbolMissing: this Keras has no such branch.
+    """
+    require(STATELESS_NON_FINITE_BRANCH, keras)
+    original = outer._stateless_handle_non_finite_grads
+    if getattr(original, "_accumulating_optimizer", None) is owner:
+        return
+    owner_ref = weakref.ref(owner)
+
+    def handle_non_finite_grads(optimizer_variables: Any, trainable_variables: Any) -> Any:
+        trainable, variables = original(optimizer_variables, trainable_variables)
+        inner = owner_ref()
+        if inner is None:
+            return trainable, variables
+        outer_variables, order = list(outer.variables), list(inner._build_order)
+        mapping = list(zip(outer_variables, variables)) + list(zip(order, trainable))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            on_skip()
+        return [scope.get_current_value(v) for v in order], [scope.get_current_value(v) for v in outer_variables]
+
+    handle_non_finite_grads._accumulating_optimizer = owner
+    object.__setattr__(outer, "_stateless_handle_non_finite_grads", handle_non_finite_grads)
+
+
 # --------------------------------------------------------------- gating
 APPLY_WEIGHT_DECAY = private(
     "keras.optimizers.Optimizer._apply_weight_decay and update_step (replaced on the instance "

@@ -53,6 +53,7 @@ class Keras3Saving:
                 self._load_outer_state(state)
         if self.nonfinite != "propagate":
             compat.hook_non_finite_branch(outer, self, self._outer_skipped_micro_step)
+            compat.hook_stateless_non_finite_branch(outer, self, self._outer_skipped_micro_step)
 
     def _outer_skipped_micro_step(self) -> None:
         """Record a micro-step that the ``LossScaleOptimizer`` outside skipped:

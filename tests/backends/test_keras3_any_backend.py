@@ -448,3 +448,75 @@ def test_jax_data_parallel_over_two_devices_trains_like_the_single_device_large_
     devices, diff = out.stdout.split()[-2:]
     assert int(devices) == 2
     assert float(diff) <= TOL, diff
+
+
+# ---------------------------------------------------------- mixed precision
+class dtype_policy:
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __enter__(self):
+        self.previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(self.policy)
+
+    def __exit__(self, *exc):
+        keras.config.set_dtype_policy(self.previous)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_fit_with_a_loss_scale_optimizer_outside_matches_the_large_batch(policy):
+    """N = 3, B = 4 against ``fit(batch_size=12)`` under the same policy
+    (float16: a ``LossScaleOptimizer`` outside each, scale 2**4, as
+    ``compile`` would add), within :func:`support.precision.mixed_precision_tolerance`:
+    the first-order effect of gradients that differ by 16-bit rounding."""
+    from support.precision import epsilon_16, mixed_precision_tolerance, update_weights_recorder
+
+    x, y = np.concatenate([X, X[::-1]]), np.concatenate([Y, -Y])
+    recorder = update_weights_recorder(keras)()
+
+    def wrap(inner):
+        if policy != "mixed_float16":
+            return inner
+        return keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**4)
+
+    with dtype_policy(policy):
+        reference = fit(wrap(keras.optimizers.Adam(0.01)), N * B, x=x, y=y, callbacks=[recorder])
+        accumulated = fit(wrap(AccumulatingOptimizer(keras.optimizers.Adam(0.01), N)), B, x=x, y=y)
+        start = make_model()
+    assert reference.layers[0].compute_dtype == policy.split("_")[1]
+    opt = accumulated.optimizer.inner_optimizer if policy == "mixed_float16" else accumulated.optimizer
+    assert int(ops.convert_to_numpy(opt.iterations)) == 2 * len(x) // (N * B)
+    tol = mixed_precision_tolerance(keras.optimizers.Adam(0.01).get_config(), epsilon_16(policy), recorder.history)
+    assert max_abs_diff(reference.get_weights(), start.get_weights()) > tol
+    assert max_abs_diff(reference.get_weights(), accumulated.get_weights()) <= tol
+
+
+# Micro-gradients (the inputs of y = w*x with loss mean(y): the gradient of w
+# is x): NaN in micro-batch 2 of the first window of 4. SGD(1.0) from w = 0;
+# /16 keeps x * 2**15 (the default loss scale) finite in float16.
+XS = np.array([1, np.nan, 3, 5, 7, 9, 11, 13], "float32") / 16
+
+
+def _nan_expected(policy):
+    """(w, micro_steps, iterations, skipped_micro_steps, skipped_windows) by hand."""
+    if policy in ("propagate", "skip_micro_step"):
+        # The LossScaleOptimizer drops micro-batch 2: window 1 is 1, 3, 4, 5.
+        return -np.mean(XS[[0, 2, 3, 4]]), 7, 1, (None if policy == "propagate" else 1), (
+            None if policy == "propagate" else 0)
+    return -np.mean(XS[4:8]), 8, 1, 1, 1  # skip_window: window 1 discarded
+
+
+@pytest.mark.parametrize("policy", ["propagate", "skip_micro_step", "skip_window"])
+def test_micro_step_the_loss_scale_optimizer_skips_follows_the_policy(policy):
+    acc = AccumulatingOptimizer(keras.optimizers.SGD(1.0), 4, nonfinite=policy)
+    with dtype_policy("mixed_float16"):
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        model.compile(optimizer=acc, loss=lambda y_true, y_pred: y_pred)  # compile adds the LossScaleOptimizer
+        model.fit(XS[:, None], XS[:, None], batch_size=1, shuffle=False, verbose=0)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    w, micro_steps, iterations, skipped, windows = _nan_expected(policy)
+    count = lambda v: None if v is None else int(ops.convert_to_numpy(v))  # noqa: E731
+    np.testing.assert_allclose(ops.convert_to_numpy(model.layers[0].kernel), [[w]], rtol=1e-6)
+    assert (count(acc.micro_steps), count(acc.iterations)) == (micro_steps, iterations)
+    assert (count(acc.skipped_micro_steps), count(acc.skipped_windows)) == (skipped, windows)
+    assert float(ops.convert_to_numpy(model.optimizer.dynamic_scale)) == model.optimizer.initial_scale / 2
