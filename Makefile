@@ -110,14 +110,14 @@ ARGS_tf215     := --leave-out keras2,windows --leave-out multiworker
 # (tests/backends/; k3 runs them on TensorFlow), in venvs without TensorFlow.
 DIR_k3-jax      := $(VENVS)/k3-jax
 PYTHON_k3-jax   := $(PYTHON)
-EXTRAS_k3-jax   := test,keras3
+EXTRAS_k3-jax   := test,keras3,plan
 PINS_k3-jax     := keras==3.15.* jax[cpu]==0.10.*
 ENV_k3-jax      := KERAS_BACKEND=jax
 ARGS_k3-jax     := tests/backends
 
 DIR_k3-torch    := $(VENVS)/k3-torch
 PYTHON_k3-torch := $(PYTHON)
-EXTRAS_k3-torch := test,keras3
+EXTRAS_k3-torch := test,keras3,plan
 PINS_k3-torch   := keras==3.15.* torch==2.*
 ENV_k3-torch    := KERAS_BACKEND=torch
 ARGS_k3-torch   := tests/backends

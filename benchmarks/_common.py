@@ -170,6 +170,43 @@ def tf_env() -> dict:
     }
 
 
+def select_backend(parser: argparse.ArgumentParser, backend: str) -> None:
+    """Run Keras on ``backend`` (``KERAS_BACKEND``, before Keras is imported);
+    ``parser.error`` if Keras already runs another or the backend is not
+    installed."""
+    import importlib.util
+
+    keras = sys.modules.get("keras")
+    if keras is not None and keras.backend.backend() != backend:
+        parser.error(f"--backend {backend}: Keras is already imported on {keras.backend.backend()!r}")
+    if importlib.util.find_spec(backend) is None:
+        parser.error(f"--backend {backend}: {backend} is not installed in this Python ({sys.executable}); "
+                     "the make test legs have one venv per backend (.venvs/k3-jax, .venvs/k3-torch)")
+    os.environ["KERAS_BACKEND"] = backend
+
+
+def backend_env(backend: str) -> dict:
+    """The Keras backend's versions and device (JAX or torch; TensorFlow:
+    :func:`tf_env`)."""
+    import keras
+
+    env = {"keras": keras.__version__, "keras_backend": backend}
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        env.update(jax=jax.__version__, device=f"{device.platform}: {getattr(device, 'device_kind', device)}",
+                   memory_source="jax device.memory_stats()['peak_bytes_in_use']" if device.platform == "gpu"
+                   else "RSS")
+    elif backend == "torch":
+        import torch
+
+        gpu = torch.cuda.is_available()
+        env.update(torch=torch.__version__, device=torch.cuda.get_device_name(0) if gpu else "cpu",
+                   memory_source="torch.cuda.max_memory_allocated()" if gpu else "RSS")
+    return env
+
+
 def has_gpu() -> bool:
     import tensorflow as tf
 
@@ -419,8 +456,8 @@ class PeakMemory:
     the allocator's; CPU: RSS, as the benchmarks' docs say).
     """
 
-    def __init__(self, gpu: bool) -> None:
-        self.gpu = gpu
+    def __init__(self, gpu: bool, backend: str = "tensorflow") -> None:
+        self.gpu, self.backend = gpu, backend
         self.device = "GPU:0" if gpu else "CPU:0"
         self.base = 0
         self.rss_base = 0
@@ -428,6 +465,17 @@ class PeakMemory:
         self.hwm_reset = False
 
     def _alloc_info(self) -> dict | None:
+        if self.backend == "jax":  # the device's own counters (GPU; None on a CPU)
+            import jax
+
+            stats = jax.devices()[0].memory_stats()
+            return None if not stats else {"current": stats["bytes_in_use"], "peak": stats["peak_bytes_in_use"]}
+        if self.backend == "torch":
+            import torch
+
+            if not self.gpu:
+                return None
+            return {"current": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
         import tensorflow as tf
 
         try:
@@ -436,12 +484,19 @@ class PeakMemory:
             return None
 
     def start(self) -> None:
-        import tensorflow as tf
+        if self.backend == "torch" and self.gpu:
+            import torch
 
-        try:
-            tf.config.experimental.reset_memory_stats(self.device)
-        except (ValueError, RuntimeError):
-            pass
+            torch.cuda.reset_peak_memory_stats()
+        elif self.backend == "tensorflow":
+            import tensorflow as tf
+
+            try:
+                tf.config.experimental.reset_memory_stats(self.device)
+            except (ValueError, RuntimeError):
+                pass
+        # (JAX cannot reset its peak: the device's lifetime peak, which the
+        # model's build stays below, minus the memory in use here.)
         info = self._alloc_info()
         self.alloc_base = None if info is None else info["current"]
         self.rss_base = rss_bytes()
@@ -474,7 +529,7 @@ class PeakMemory:
         head = alloc if (self.gpu and alloc) else rss
         return {"peak_bytes": int(head["peak"]), "base_bytes": int(head["base"]),
                 "delta_bytes": int(head["delta"]), "resident_bytes": int(head["resident"]),
-                "source": f"tf allocator {self.device}" if self.gpu else f"RSS ({rss_source})",
+                "source": f"{self.backend} allocator {self.device}" if self.gpu else f"RSS ({rss_source})",
                 "rss": rss, "tf_allocator": alloc}
 
 
@@ -728,7 +783,7 @@ def make_train_step(model, opt, loss_fn, jit_compile: bool = False):
     return step
 
 
-def warm_up_runtime(kind: str, size: dict) -> None:
+def warm_up_runtime(kind: str, size: dict, backend: str = "tensorflow") -> None:
     """Train a throwaway miniature of the model two steps (plain SGD).
 
     Memory workers call this before taking their baseline, so that
@@ -744,31 +799,58 @@ def warm_up_runtime(kind: str, size: dict) -> None:
         tiny = MODEL_SIZES["tiny"][kind]
     model = build_model(kind, tiny, seed=0)
     x, y = make_batch(kind, tiny, 2)
+    if backend != "tensorflow":  # (JAX, torch: fit, what their memory workers run)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=model_loss(kind))
+        model.fit(x, y, batch_size=2, epochs=2, verbose=0)
+        return
     step = make_train_step(model, keras.optimizers.SGD(0.01), model_loss(kind))
     step(x, y).numpy()
     step(x, y).numpy()
 
 
-def copy_bandwidth(megabytes: int = 64, repeats: int = 10) -> dict:
-    """Measured bytes/s of ``a.assign_add(b)`` on float32 tensors of
-    ``megabytes`` MiB (reads a and b, writes a: 3 x size bytes per call) in a
-    ``tf.function``; the best of ``repeats`` calls after a warm-up."""
-    import tensorflow as tf
-
+def copy_bandwidth(megabytes: int = 64, repeats: int = 10, backend: str = "tensorflow") -> dict:
+    """Measured bytes/s of ``a += b`` on float32 tensors of ``megabytes`` MiB
+    (reads a and b, writes a: 3 x size bytes per call): ``assign_add`` in a
+    ``tf.function`` (TensorFlow), a ``jax.jit`` add (JAX), an in-place
+    ``add_`` (torch); the best of ``repeats`` calls after a warm-up."""
     n = megabytes * MIB // 4
-    a = tf.Variable(tf.zeros((n,), tf.float32))
-    b = tf.ones((n,), tf.float32)
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
 
-    @tf.function
-    def add():
-        a.assign_add(b)
-        return tf.constant(0)
+        state = {"a": jnp.zeros((n,), jnp.float32)}
+        b = jnp.ones((n,), jnp.float32)
+        jitted = jax.jit(lambda a, b: a + b, donate_argnums=0)
 
-    add().numpy()
+        def add():
+            state["a"] = jitted(state["a"], b).block_until_ready()
+    elif backend == "torch":
+        import torch
+
+        a, b = torch.zeros(n), torch.ones(n)
+
+        def add():
+            a.add_(b)
+            if a.is_cuda:
+                torch.cuda.synchronize()
+    else:
+        import tensorflow as tf
+
+        a = tf.Variable(tf.zeros((n,), tf.float32))
+        b = tf.ones((n,), tf.float32)
+        @tf.function
+        def step():
+            a.assign_add(b)
+            return tf.constant(0)
+
+        def add():
+            step().numpy()
+
+    add()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        add().numpy()
+        add()
         times.append(time.perf_counter() - t0)
     best, med = min(times), statistics.median(times)
     moved = 3 * n * 4

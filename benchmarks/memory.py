@@ -42,6 +42,15 @@ still allocated at the end, peak tensor memory, and peak RSS.
     python -m benchmarks.memory            # quick profile (default)
     python -m benchmarks.memory --full     # bigger models and batches
     python -m benchmarks.memory --tiny     # seconds; what the smoke test runs
+    python -m benchmarks.memory --backend jax   # Keras 3 on JAX (a venv with jax: .venvs/k3-jax)
+
+``--backend jax|torch`` (default: ``KERAS_BACKEND``, else tensorflow)
+measures the same four cases on that Keras backend, each worker training
+with ``model.fit`` on NumPy batches (JAX: XLA; torch: eager). GPU: JAX's
+``device.memory_stats()['peak_bytes_in_use']`` (a lifetime peak: JAX cannot
+reset it; the build before the baseline stays below it) or torch's
+``max_memory_allocated()`` after ``reset_peak_memory_stats``, minus the
+memory in use at the baseline; CPU: peak RSS as above (no allocator table).
 
 Writes ``<out>/memory.json`` (raw figures and environment) and
 ``<out>/memory.png`` (peak memory against effective batch, one line per method,
@@ -55,6 +64,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -93,6 +103,8 @@ def worker(cfg: dict) -> dict:
     """One configuration in this (fresh) process; returns the figures."""
     import os
 
+    if cfg.get("backend", "tensorflow") != "tensorflow":
+        return keras_worker(cfg, cfg["backend"])
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     gpu = C.configure_gpu(cfg.get("budget_mib"))
     result = {"env": C.tf_env()}
@@ -127,13 +139,53 @@ def worker(cfg: dict) -> dict:
     return result
 
 
+def keras_worker(cfg: dict, backend: str) -> dict:
+    """:func:`worker` on Keras 3's JAX or torch backend, training in ``fit``."""
+    import math
+    import os
+
+    os.environ["KERAS_BACKEND"] = backend
+    import numpy as np
+    from keras import ops
+
+    env = C.backend_env(backend)
+    gpu = not env["device"].startswith(("cpu", "CPU"))
+    result = {"env": env}
+    kind, size = cfg["model"], cfg["size"]
+    C.warm_up_runtime(kind, size, backend)
+    model = C.build_model(kind, size, seed=0)
+    x, y = C.make_batch(kind, size, cfg["batch"], seed=1)
+    result["param_count"] = int(sum(math.prod(v.shape) for v in model.trainable_variables))
+    result["param_bytes"] = C.param_bytes(model.trainable_variables)
+    mem = C.PeakMemory(gpu, backend)
+    mem.start()  # the model is built: weights resident
+    try:
+        opt = C.make_optimizer(cfg["method"], cfg["n"], cfg.get("inner", "adam"))
+    except C.NotApplicable as e:
+        return {**result, "status": "n/a", "reason": str(e)}
+    model.compile(optimizer=opt, loss=C.model_loss(kind))
+    t0 = time.perf_counter()
+    history = model.fit(np.concatenate([x] * cfg["steps"]), np.concatenate([y] * cfg["steps"]),
+                        batch_size=cfg["batch"], epochs=1, shuffle=False, verbose=0)
+    result["train_seconds"] = time.perf_counter() - t0
+    result["final_loss"] = float(history.history["loss"][-1])
+    gc.collect()
+    result.update(mem.stop())
+    result["optimizer_state_bytes"] = C.param_bytes(opt.variables)
+    result["accumulator_bytes"] = C.accumulator_bytes(opt)
+    result["iterations"] = int(ops.convert_to_numpy(opt.iterations))
+    result["status"] = "ok"
+    return result
+
+
 # ------------------------------------------------------------------- parent
 def build_configs(p: dict, args) -> list[dict]:
     configs = []
     for kind in p["models"]:
         size = C.MODEL_SIZES[args.profile][kind]
         b = p["batch"][kind]
-        base = dict(model=kind, size=size, micro_batch=b, inner="adam", budget_mib=args.budget_mib)
+        base = dict(model=kind, size=size, micro_batch=b, inner="adam", budget_mib=args.budget_mib,
+                    backend=args.backend)
         configs.append(dict(base, case="a", method="plain", n=1, batch=b, effective_batch=b,
                             steps=p["plain_steps"]))
         for n in ns_of(p, kind):
@@ -388,8 +440,13 @@ def main(argv=None) -> int:
                         help="memory budget: GPU memory limit (real OOM) / CPU 'over budget' mark")
     parser.add_argument("--jobs", type=int, help="workers run at once on the CPU (memory figures are "
                         "per process, so they stay valid; always 1 on a GPU)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
+                        default=os.environ.get("KERAS_BACKEND") or "tensorflow",
+                        help="the Keras backend (default: KERAS_BACKEND, else tensorflow); jax and torch train in fit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.worker:
+        C.select_backend(parser, args.backend)
     if args.worker:
         C.emit_result(worker(json.loads(args.worker)))
         return 0
@@ -434,12 +491,16 @@ def main(argv=None) -> int:
     # The first worker alone: it reports the device; on a GPU run the rest one at a time.
     done(0, C.run_worker("benchmarks.memory", configs[0], p["timeout"]))
     tfenv = results[0].get("env", {})
-    jobs = 1 if tfenv.get("gpu_count") else p["jobs"]
+    jobs = 1 if tfenv.get("gpu_count") or (args.backend != "tensorflow" and tfenv.get("memory_source", "RSS") != "RSS") \
+        else p["jobs"]
     C.run_workers("benchmarks.memory", configs[1:], jobs, p["timeout"], lambda i, r: done(i + 1, r))
     env.update(tfenv)
-    gpu = bool(tfenv.get("gpu_count"))
+    gpu = bool(tfenv.get("gpu_count")) or (args.backend != "tensorflow"
+                                             and not str(tfenv.get("device", "cpu")).lower().startswith("cpu"))
     if gpu:
-        labels = {"headline_peak": "peak GPU memory (TF allocator) - after build"}
+        labels = {"headline_peak": f"peak GPU memory ({args.backend} allocator) - after build"}
+    elif args.backend != "tensorflow":
+        labels = {"headline_peak": "peak RSS - RSS after build"}
     else:
         labels = {"headline_peak": "peak RSS - RSS after build",
                   "alloc_peak": "peak tensor memory (TF CPU allocator) - after build"}
@@ -453,7 +514,9 @@ def main(argv=None) -> int:
         "profile": args.profile,
         "env": env,
         "settings": {**p, "budget_mib": args.budget_mib, "headline_memory": labels["headline_peak"],
-                     "inner_optimizer": "adam", "loop": "tf.function custom loop, jit_compile off",
+                     "inner_optimizer": "adam", "backend": args.backend,
+                     "loop": "tf.function custom loop, jit_compile off" if args.backend == "tensorflow"
+                     else "model.fit on NumPy batches (JAX: XLA; torch: eager)",
                      "jobs_used": jobs},
         "models": per_model,
         "wall_seconds": time.perf_counter() - t_start,
@@ -466,7 +529,7 @@ def main(argv=None) -> int:
                f"{args.profile} profile; the sweep over N = {', '.join(str(n) for n in PROFILES['full']['ns'])}: "
                f"`.venv/bin/python -m benchmarks.memory --full --models {','.join(narrow)}`.\n")
     C.write_outputs(
-        out, "memory", data, md,
+        out, "memory" if args.backend == "tensorflow" else f"memory_{args.backend}", data, md,
         lambda _data, path: plot(per_model, args.budget_mib, labels, path), prog,
     )
     return 0

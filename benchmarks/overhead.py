@@ -48,8 +48,18 @@ all three models; 50 rounds).
     python -m benchmarks.overhead            # quick profile (default)
     python -m benchmarks.overhead --full     # the whole grid, more rounds
     python -m benchmarks.overhead --tiny     # seconds; what the smoke test runs
+    python -m benchmarks.overhead --backend jax   # Keras 3 on JAX (a venv with jax: .venvs/k3-jax)
 
-Writes ``<out>/overhead.json``, ``<out>/overhead.md`` and ``<out>/overhead.png``.
+``--backend jax|torch`` (default: ``KERAS_BACKEND``, else tensorflow) times
+the same three optimizers on that Keras backend in ``model.fit`` only (JAX:
+its default ``jit_compile``, XLA; torch: eager), with NumPy batches, and the
+floor's copy bandwidth from a ``jax.jit`` add or a torch ``add_``. On JAX,
+Keras' built-in computes the inner update on every micro-step and keeps the
+old values on N - 1 of N; the wrapper computes it on updates only
+(``docs/families/backends.md``): accum/built-in shows what that saves.
+
+Writes ``<out>/overhead.json``, ``<out>/overhead.md`` and ``<out>/overhead.png``
+(``overhead_jax.*``, ``overhead_torch.*`` for the other backends).
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -115,10 +126,9 @@ def _make_timer():
 class Config:
     """One (model, optimizer) pair with a way to run a block of micro-steps."""
 
-    def __init__(self, kind, size, batch, method, n, loop, jit):
-        import tensorflow as tf
-
+    def __init__(self, kind, size, batch, method, n, loop, jit, backend="tensorflow"):
         self.kind, self.method, self.n, self.loop, self.jit = kind, method, n, loop, jit
+        self.backend = backend
         self.label = "plain" if method == "plain" else f"{method} N={n}"
         self.model = C.build_model(kind, size, seed=0)
         x, y = C.make_batch(kind, size, batch, seed=1)
@@ -127,7 +137,13 @@ class Config:
         if loop == "custom":
             self.x, self.y = C.on_device(x, y)
             self.step = C.make_train_step(self.model, self.opt, loss, jit_compile=jit)
+        elif backend != "tensorflow":  # fit on NumPy batches, repeated
+            self.model.compile(optimizer=self.opt, loss=loss, jit_compile=jit)
+            self.batch, self.xy = batch, (x, y)
+            self.timer = _make_timer()
         else:
+            import tensorflow as tf
+
             self.model.compile(optimizer=self.opt, loss=loss, jit_compile=jit)
             self.ds = tf.data.Dataset.from_tensors((x, y)).repeat()
             self.timer = _make_timer()
@@ -141,20 +157,28 @@ class Config:
             loss.numpy()  # wait for the last step
             return (time.perf_counter() - t0) / steps
         self.timer.reset()
-        self.model.fit(self.ds, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
-                       callbacks=[self.timer])
+        if self.backend != "tensorflow":
+            import numpy as np
+
+            x, y = (np.concatenate([a] * steps) for a in self.xy)
+            self.model.fit(x, y, batch_size=self.batch, epochs=1, verbose=0, shuffle=False, callbacks=[self.timer])
+        else:
+            self.model.fit(self.ds, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+                           callbacks=[self.timer])
         return (self.timer.t1 - self.timer.t0) / steps
 
     def micro_steps_taken(self) -> int:
         from accum_optimizer import AccumulatingOptimizer
 
+        from keras import ops
+
         if isinstance(self.opt, AccumulatingOptimizer):
-            return int(self.opt.micro_steps.numpy())
+            return int(ops.convert_to_numpy(self.opt.micro_steps))
         # Keras' `iterations` counts updates when it accumulates; `_iterations` counts steps.
-        return int(self.opt._iterations.numpy())
+        return int(ops.convert_to_numpy(self.opt._iterations))
 
 
-def run_group(kind, size, batch, loop, jit, p, prog) -> dict:
+def run_group(kind, size, batch, loop, jit, p, prog, backend="tensorflow") -> dict:
     """Build, warm up and time all configurations of one (model, loop, jit)."""
     import keras
 
@@ -168,7 +192,7 @@ def run_group(kind, size, batch, loop, jit, p, prog) -> dict:
         label = "plain" if method == "plain" else f"{method} N={n}"
         t0 = time.perf_counter()
         try:
-            c = Config(kind, size, batch, method, n, loop, jit)
+            c = Config(kind, size, batch, method, n, loop, jit, backend)
             c.run(1)  # trace / compile
             configs.append(c)
             build_s[label] = time.perf_counter() - t0
@@ -227,7 +251,7 @@ def run_group(kind, size, batch, loop, jit, p, prog) -> dict:
               "build_and_trace_s": build_s,
               "micro_steps_taken": {c.label: c.micro_steps_taken() for c in configs},
               "rows": rows}
-    param_count = sum(int(v.shape.num_elements()) for v in configs[0].model.trainable_variables) if configs else None
+    param_count = sum(math.prod(v.shape) for v in configs[0].model.trainable_variables) if configs else None
     del configs
     gc.collect()
     return {"result": result, "param_count": param_count}
@@ -338,7 +362,11 @@ def main(argv=None) -> int:
                         help="comma list of custom-jit-off,custom-jit-on,fit-jit-off,fit-jit-on")
     parser.add_argument("--rounds", type=int, help="interleaved rounds")
     parser.add_argument("--block", type=int, help="micro-steps per block (rounded up to a multiple of every N)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
+                        default=os.environ.get("KERAS_BACKEND") or "tensorflow",
+                        help="the Keras backend (default: KERAS_BACKEND, else tensorflow); jax and torch: fit only")
     args = parser.parse_args(argv)
+    C.select_backend(parser, args.backend)
 
     p = dict(PROFILES[args.profile])
     for key in ("models", "rounds", "block"):
@@ -363,6 +391,12 @@ def main(argv=None) -> int:
             parser.error(f"--modes: unknown mode(s) {bad}; choose from {list(valid)}")
         p["modes"] = tuple((m.split("-")[0], m.endswith("-on")) for m in args.modes)
         p["model_modes"] = {}  # an explicit --modes applies to every model
+    if args.backend != "tensorflow":
+        # fit only (a custom loop is a tf.function here), in the backend's
+        # default way: XLA on JAX, eager on torch.
+        if args.modes and any(loop != "fit" for loop, _ in p["modes"]):
+            parser.error(f"--modes: --backend {args.backend} times fit only (fit-jit-on on jax, fit-jit-off on torch)")
+        p["modes"], p["model_modes"] = (("fit", args.backend == "jax"),), {}
     lcm = 1
     for n in p["ns"]:
         lcm = lcm * n // math.gcd(lcm, n)
@@ -370,26 +404,29 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     env = C.static_env()
-    C.configure_gpu()
-    env.update(C.tf_env())
+    if args.backend == "tensorflow":
+        C.configure_gpu()
+        env.update(C.tf_env())
+    else:
+        env.update(C.backend_env(args.backend))
     modes_of = lambda kind: p["model_modes"].get(kind, p["modes"])  # noqa: E731
     n_groups = sum(len(modes_of(kind)) for kind in p["models"])
     per_group = 1 + 2 * len(p["ns"]) + 1
     prog = C.Progress("overhead", n_groups * per_group + 1)
-    bw = C.copy_bandwidth(p["bandwidth_mib"])
-    prog.step("copy bandwidth (assign_add, %d MiB)" % p["bandwidth_mib"], f"{bw['bytes_per_second'] / 1e9:.2f} GB/s")
+    bw = C.copy_bandwidth(p["bandwidth_mib"], backend=args.backend)
+    prog.step("copy bandwidth (a += b, %d MiB)" % p["bandwidth_mib"], f"{bw['bytes_per_second'] / 1e9:.2f} GB/s")
     groups, models = [], {}
     for kind in p["models"]:
         size = C.MODEL_SIZES[args.profile][kind]
         for loop, jit in modes_of(kind):
-            g = run_group(kind, size, p["batch"][kind], loop, jit, p, prog)
+            g = run_group(kind, size, p["batch"][kind], loop, jit, p, prog, args.backend)
             groups.append(g["result"])
             if kind not in models and g["param_count"]:
                 floor_bytes = 3 * 4 * g["param_count"]
                 models[kind] = {"size": size, "micro_batch": p["batch"][kind], "param_count": g["param_count"],
                                 "floor_bytes": floor_bytes,
                                 "floor_seconds": floor_bytes / bw["bytes_per_second"]}
-    data = {"benchmark": "overhead", "profile": args.profile, "env": env,
+    data = {"benchmark": "overhead", "profile": args.profile, "backend": args.backend, "env": env,
             "settings": {**p, "inner_optimizer": "adam"}, "bandwidth": bw, "models": models,
             "groups": groups, "wall_seconds": time.perf_counter() - t_start}
     # Floor as a fraction of the plain step, per group and N.
@@ -409,7 +446,8 @@ def main(argv=None) -> int:
         md += ("\n\nQuick profile: N = 4, each loop's default way (custom loop XLA off, fit XLA on). N = 1 "
                "(the pass-through) and 16, XLA on and off in both loops, 50 rounds: "
                "`.venv/bin/python -m benchmarks.overhead --full`.")
-    C.write_outputs(args.out, "overhead", data, md, plot, prog)
+    name = "overhead" if args.backend == "tensorflow" else f"overhead_{args.backend}"
+    C.write_outputs(args.out, name, data, md, plot, prog)
     return 0
 
 
