@@ -33,6 +33,13 @@ OPT_IN_LEGS := k3-torch
 LEGS ?= $(ALL_LEGS)
 # `make test TEST_DOCS=` leaves the docs build out.
 TEST_DOCS ?= yes
+# The legs run in two lanes at once (the machines have 2 cores and a leg
+# keeps about one busy): LANE1_LEGS in one, in this order, the others in the
+# other; installs take turns (one lock), so that two editable installs never
+# write the package's metadata at once. `make test TEST_LANES=1`: one after
+# the other.
+TEST_LANES ?= 2
+LANE1_LEGS := k3 k3-jax
 
 # Which tests a leg runs. Every leg collects tests/ (core/, contract/ and one
 # folder per family; tests of a family the leg lacks skip with the reason);
@@ -191,15 +198,31 @@ demo: $(STAMP_k3)
 ## hypothesis profile, then the docs build; fails if any leg (or the docs)
 ## fails, after running them all.
 test:
-	@mkdir -p $(VENVS); rm -f $(VENVS)/.passed-*.txt; failed=0; summary=""; \
-	for leg in $(LEGS); do \
-	  start=$$SECONDS; \
-	  $(MAKE) --no-print-directory venv-$$leg || { failed=$$((failed+1)); summary+="$$leg: install FAILED"$$'\n'; continue; }; \
+	@mkdir -p $(VENVS); rm -rf $(VENVS)/.passed-*.txt $(VENVS)/.result-* $(VENVS)/.install.lock; \
+	run_leg() { \
+	  leg=$$1; log=$(VENVS)/.test-$$leg.log; start=$$SECONDS; \
+	  until mkdir $(VENVS)/.install.lock 2>/dev/null; do sleep 2; done; \
+	  $(MAKE) --no-print-directory venv-$$leg > $$log 2>&1; irc=$$?; rmdir $(VENVS)/.install.lock; \
+	  if [ $$irc -ne 0 ]; then echo "$$leg: install FAILED" > $(VENVS)/.result-$$leg; cat $$log; return; fi; \
 	  mid=$$SECONDS; \
-	  $(MAKE) --no-print-directory test-$$leg 2>&1 | tee $(VENVS)/.test-$$leg.log; rc=$${PIPESTATUS[0]}; \
-	  line=$$(grep -E '^(=+ )?[0-9a-z ,]*(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' $(VENVS)/.test-$$leg.log | tail -n 1 | sed -E 's/^=+ | =+$$//g'); \
-	  [ $$rc -eq 0 ] && result=ok || { result=FAILED; failed=$$((failed+1)); }; \
-	  summary+="$$leg: $$result ($${line:-no pytest summary}); install $$((mid-start)) s, tests $$((SECONDS-mid)) s"$$'\n'; \
+	  if [ "$$2" = live ]; then $(MAKE) --no-print-directory test-$$leg 2>&1 | tee -a $$log; rc=$${PIPESTATUS[0]}; \
+	  else $(MAKE) --no-print-directory test-$$leg >> $$log 2>&1; rc=$$?; cat $$log; fi; \
+	  line=$$(grep -E '^(=+ )?[0-9a-z ,]*(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' $$log | tail -n 1 | sed -E 's/^=+ | =+$$//g'); \
+	  [ $$rc -eq 0 ] && result=ok || result=FAILED; \
+	  echo "$$leg: $$result ($${line:-no pytest summary}); install $$((mid-start)) s, tests $$((SECONDS-mid)) s" > $(VENVS)/.result-$$leg; \
+	}; \
+	lane1=""; lane2=""; \
+	for leg in $(LEGS); do \
+	  if [ "$(TEST_LANES)" -ge 2 ] && [[ " $(LANE1_LEGS) " == *" $$leg "* ]]; then lane1+=" $$leg"; else lane2+=" $$leg"; fi; \
+	done; \
+	if [ -n "$$lane1" ]; then \
+	  echo "==== two lanes at once: [$$lane1 ] (shown live) and [$$lane2 ] (each leg's log shown when it ends)"; \
+	  ( for leg in $$lane1; do run_leg $$leg live; done ) & ( for leg in $$lane2; do run_leg $$leg; done ) & wait; \
+	else for leg in $$lane2; do run_leg $$leg live; done; fi; \
+	failed=0; summary=""; \
+	for leg in $(LEGS); do \
+	  r=$$(cat $(VENVS)/.result-$$leg 2>/dev/null || echo "$$leg: no result"); summary+="$$r"$$'\n'; \
+	  [[ "$$r" == "$$leg: ok ("* ]] || failed=$$((failed+1)); \
 	done; \
 	legs=$(words $(LEGS)); \
 	if [ -n "$(TEST_DOCS)" ]; then \

@@ -107,6 +107,18 @@ def check_weight(weight: Any) -> Any:
     return value
 
 
+def _available(dtype: Any) -> Any:
+    """``dtype``, or int32 for int64 on JAX without 64-bit types (its
+    default: what Keras' own integer variables hold there; asking for int64
+    would only warn and truncate)."""
+    if dtype == "int64" and keras.backend.backend() == "jax":
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            return "int32"
+    return dtype
+
+
 class KerasOpsBackend:
     """:class:`~accum_optimizer.core.state.Backend` over ``keras.Variable`` s
     with ``keras.ops``, for the JAX and torch backends (dense gradients only:
@@ -171,7 +183,7 @@ class KerasOpsBackend:
 
     @staticmethod
     def cast(value: Any, dtype: Any) -> Any:
-        return ops.cast(value, dtype)
+        return ops.cast(value, _available(dtype))
 
     @staticmethod
     def dtype(value: Any) -> Any:
@@ -179,7 +191,7 @@ class KerasOpsBackend:
 
     @staticmethod
     def constant(value: Any, dtype: Any) -> Any:
-        return ops.convert_to_tensor(value, dtype=dtype)
+        return ops.convert_to_tensor(value, dtype=_available(dtype))
 
     @staticmethod
     def maximum(x: Any, y: Any) -> Any:

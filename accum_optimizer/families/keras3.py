@@ -177,7 +177,17 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
             ``("mean", "sum")``; the inner optimizer already accumulates;
             base-optimizer arguments (``clipnorm``, ``weight_decay``, ...) are
             passed to the wrapper instead of the inner optimizer.
-        NotImplementedError: Keras runs another backend than TensorFlow.
+        NotImplementedError: Keras runs a backend other than TensorFlow, JAX
+            or torch (``numpy``, ``openvino``: no training).
+
+    Backends: the same class on TensorFlow, JAX and torch
+    (``docs/families/backends.md``). On JAX and torch it also has
+    ``stateless_apply(optimizer_variables, grads, trainable_variables,
+    weight=None)`` and ``stateless_flush(optimizer_variables,
+    trainable_variables)`` for ``jax.jit`` loops
+    (:class:`accum_optimizer.families._keras_ops.Accumulating`); the
+    ``tf.distribute`` behaviour and sparse (``tf.IndexedSlices``) windows
+    above are TensorFlow's.
     """
 
     _FAMILY = "Keras 3"

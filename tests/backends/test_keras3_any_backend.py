@@ -25,6 +25,13 @@ keras = pytest.importorskip("keras")
 if not keras.__version__.startswith("3."):
     pytest.skip(f"Keras 3 only (this is Keras {keras.__version__})", allow_module_level=True)
 
+if keras.backend.backend() == "tensorflow":
+    # Where TensorFlow is installed, only where the Keras 3 family is the
+    # active Keras (tf.keras is Keras 3: not under TF_USE_LEGACY_KERAS).
+    from support.families import require
+
+    require("keras3")
+
 from keras import ops  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer, CountedLoss, FlushPartialWindow  # noqa: E402
