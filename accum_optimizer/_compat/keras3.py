@@ -191,6 +191,19 @@ NON_FINITE_BRANCH = private(
 )
 
 
+def _hook(outer: Any, owner: Any, record: Any, attribute: str, wrap: Callable[[Callable, Any], Callable]) -> None:
+    """Replace ``outer``'s method ``attribute`` (the private symbol of
+    ``record``) on the instance by ``wrap(original, weakref to owner)``,
+    once per ``owner`` (hooking twice is a no-op)."""
+    require(record, keras)
+    original = getattr(outer, attribute)
+    if getattr(original, "_accumulating_optimizer", None) is owner:
+        return
+    hooked = wrap(original, weakref.ref(owner))
+    hooked._accumulating_optimizer = owner
+    object.__setattr__(outer, attribute, hooked)
+
+
 def hook_non_finite_branch(outer: Any, owner: Any, on_skip: Callable[[], None]) -> None:
     """Make ``outer``'s non-finite branch also call ``on_skip`` (once per
     ``owner``: hooking twice is a no-op).
@@ -198,20 +211,17 @@ def hook_non_finite_branch(outer: Any, owner: Any, on_skip: Callable[[], None]) 
     Raises:
         PrivateSymbolMissing: this Keras has no such branch.
     """
-    require(NON_FINITE_BRANCH, keras)
-    original = outer._stateful_handle_non_finite_grads
-    if getattr(original, "_accumulating_optimizer", None) is owner:
-        return
-    owner_ref = weakref.ref(owner)
 
-    def handle_non_finite_grads(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        if owner_ref() is not None:
-            on_skip()
-        return result
+    def wrap(original: Callable, owner_ref: Any) -> Callable:
+        def handle_non_finite_grads(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if owner_ref() is not None:
+                on_skip()
+            return result
 
-    handle_non_finite_grads._accumulating_optimizer = owner
-    object.__setattr__(outer, "_stateful_handle_non_finite_grads", handle_non_finite_grads)
+        return handle_non_finite_grads
+
+    _hook(outer, owner, NON_FINITE_BRANCH, "_stateful_handle_non_finite_grads", wrap)
 
 
 STATELESS_NON_FINITE_BRANCH = private(
@@ -234,25 +244,23 @@ def hook_stateless_non_finite_branch(outer: Any, owner: Any, on_skip: Callable[[
     Raises:
         PrivateSymbolMissing: this Keras has no such branch.
     """
-    require(STATELESS_NON_FINITE_BRANCH, keras)
-    original = outer._stateless_handle_non_finite_grads
-    if getattr(original, "_accumulating_optimizer", None) is owner:
-        return
-    owner_ref = weakref.ref(owner)
 
-    def handle_non_finite_grads(optimizer_variables: Any, trainable_variables: Any) -> Any:
-        trainable, variables = original(optimizer_variables, trainable_variables)
-        inner = owner_ref()
-        if inner is None:
-            return trainable, variables
-        outer_variables, order = list(outer.variables), list(inner._build_order)
-        mapping = list(zip(outer_variables, variables)) + list(zip(order, trainable))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            on_skip()
-        return [scope.get_current_value(v) for v in order], [scope.get_current_value(v) for v in outer_variables]
+    def wrap(original: Callable, owner_ref: Any) -> Callable:
+        def handle_non_finite_grads(optimizer_variables: Any, trainable_variables: Any) -> Any:
+            trainable, variables = original(optimizer_variables, trainable_variables)
+            inner = owner_ref()
+            if inner is None:
+                return trainable, variables
+            outer_variables, order = list(outer.variables), list(inner._build_order)
+            mapping = list(zip(outer_variables, variables)) + list(zip(order, trainable))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                on_skip()
+            return ([scope.get_current_value(v) for v in order],
+                    [scope.get_current_value(v) for v in outer_variables])
 
-    handle_non_finite_grads._accumulating_optimizer = owner
-    object.__setattr__(outer, "_stateless_handle_non_finite_grads", handle_non_finite_grads)
+        return handle_non_finite_grads
+
+    _hook(outer, owner, STATELESS_NON_FINITE_BRANCH, "_stateless_handle_non_finite_grads", wrap)
 
 
 # --------------------------------------------------------------- gating

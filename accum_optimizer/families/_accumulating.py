@@ -54,7 +54,7 @@ def no_gradients(grads: Sequence[Any], variables: Sequence[Any], name_of: Callab
 
 
 class Accumulating(_args.Constructor):
-    """The shared part of the Keras 3 (TF), Keras 2 and legacy wrappers.
+    """The shared part of the Keras 3 (any backend), Keras 2 and legacy wrappers.
 
     Attributes it reads, set by the family: ``inner_optimizer``,
     ``gradient_accumulation_steps``, ``reduction``, ``nonfinite``, the
