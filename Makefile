@@ -11,9 +11,7 @@
 #   tfkeras    .venvs/tfkeras       TF 2.21 + tf_keras 2.21 (TF_USE_LEGACY_KERAS=1)
 #   tf215      .venvs/tf215         TF 2.15.1 + its Keras 2.15 + tensorflow-addons 0.23
 #   k3-jax     .venvs/k3-jax        Keras 3.15 on JAX 0.10 (CPU wheels), no TensorFlow
-#   k3-torch   .venvs/k3-torch      Keras 3.15 on torch 2.x, no TensorFlow: opt-in,
-#                                   `make test-torch` (the index's torch wheels bring
-#                                   the CUDA libraries: 5.5 GB; README, Tests)
+#   k3-torch   .venvs/k3-torch      Keras 3.15 on torch 2.13 (its CPU build), no TensorFlow
 #
 # Tests of a family a leg lacks skip with a reason (tests/support/families.py).
 # After the legs, `make test` builds the documentation site (`make docs`,
@@ -28,8 +26,7 @@ BENCH_ARGS ?= --quick
 BENCH_OUT  ?= bench_output
 SHELL := bash
 
-ALL_LEGS := k3 k3-oldest tfkeras tf215 k3-jax
-OPT_IN_LEGS := k3-torch
+ALL_LEGS := k3 k3-oldest tfkeras tf215 k3-jax k3-torch
 LEGS ?= $(ALL_LEGS)
 # `make test TEST_DOCS=` leaves the docs build out.
 TEST_DOCS ?= yes
@@ -39,7 +36,7 @@ TEST_DOCS ?= yes
 # write the package's metadata at once. `make test TEST_LANES=1`: one after
 # the other.
 TEST_LANES ?= 2
-LANE1_LEGS := k3 k3-jax
+LANE1_LEGS := k3 k3-jax k3-torch
 
 # Which tests a leg runs. Every leg collects tests/ (core/, contract/ and one
 # folder per family; tests of a family the leg lacks skip with the reason);
@@ -125,12 +122,14 @@ ARGS_k3-jax     := tests/backends
 DIR_k3-torch    := $(VENVS)/k3-torch
 PYTHON_k3-torch := $(PYTHON)
 EXTRAS_k3-torch := test,keras3,plan
-PINS_k3-torch   := keras==3.15.* torch==2.*
+# torch 2.13.0: the CPU build these machines keep on disk (1.1 GB venv, under a
+# minute); any other torch from the index is a CUDA build of 5.5 GB.
+PINS_k3-torch   := keras==3.15.* torch==2.13.0
 ENV_k3-torch    := KERAS_BACKEND=torch
 ARGS_k3-torch   := tests/backends
 
-.PHONY: venv venvs demo test test-full test-nightly test-torch bench docs venv-docs clean \
-	$(addprefix venv-,$(ALL_LEGS) $(OPT_IN_LEGS)) $(addprefix test-,$(ALL_LEGS) $(OPT_IN_LEGS))
+.PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
+	$(addprefix venv-,$(ALL_LEGS)) $(addprefix test-,$(ALL_LEGS))
 
 # A leg's stamp is named after a checksum of its Python, extras and pins, so
 # changing a pin reinstalls that leg (and only it); editing pyproject.toml
@@ -153,7 +152,7 @@ test-$(1): $$(STAMP_$(1))
 	  ACCUM_LEG=$(1) ACCUM_LEG_PINS='$$(PINS_$(1))' ACCUM_PASSED_OUT=$(VENVS)/.passed-$(1).txt \
 	  $$(DIR_$(1))/bin/python -m pytest $$(ARGS_$(1)) $$(PYTEST_ARGS)
 endef
-$(foreach leg,$(sort $(ALL_LEGS) $(OPT_IN_LEGS) $(LEGS)),$(eval $(call LEG_RULES,$(leg))))
+$(foreach leg,$(sort $(ALL_LEGS) $(LEGS)),$(eval $(call LEG_RULES,$(leg))))
 
 venv: venv-k3
 
@@ -263,10 +262,6 @@ test-nightly:
 	  $(NIGHTLY_DIR)/bin/python -m accum_optimizer._compat; \
 	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow ACCUM_LEG=nightly ACCUM_LEG_PINS='$(NIGHTLY_PINS)' \
 	  $(NIGHTLY_DIR)/bin/python -m pytest $(NIGHTLY_ARGS) $(PYTEST_ARGS)
-
-## Keras 3 on torch (opt-in: its venv is 5.5 GB), then nothing else.
-test-torch:
-	$(MAKE) --no-print-directory test LEGS=k3-torch TEST_DOCS=
 
 ## The same with the larger hypothesis profile (slow; opt-in).
 test-full:

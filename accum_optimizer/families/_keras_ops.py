@@ -107,6 +107,32 @@ def check_weight(weight: Any) -> Any:
     return value
 
 
+_STANDARD: dict = {}
+
+
+def _standard(dtype: Any) -> str:
+    """``keras.backend.standardize_dtype``, remembered per dtype (it parses
+    a name on every call: a few microseconds, per variable per micro-step)."""
+    try:
+        return _STANDARD[dtype]
+    except KeyError:
+        _STANDARD[dtype] = name = keras.backend.standardize_dtype(dtype)
+        return name
+    except TypeError:  # unhashable
+        return keras.backend.standardize_dtype(dtype)
+
+
+def _tensor(value: Any) -> Any:
+    """``value`` as a backend tensor (as it is if it is one)."""
+    return value if ops.is_tensor(value) else ops.convert_to_tensor(value)
+
+
+def _torch_no_grad() -> Any:
+    import torch
+
+    return torch.no_grad
+
+
 def _available(dtype: Any) -> Any:
     """``dtype``, or int32 for int64 on JAX without 64-bit types (its
     default: what Keras' own integer variables hold there; asking for int64
@@ -135,12 +161,24 @@ class KerasOpsBackend:
     def __init__(self, apply_inner: Callable[[list, dict], Any], state: Callable[[], Sequence[Any]]) -> None:
         self._apply_inner = apply_inner
         self._state = state
+        # torch: write the variable's tensor in place (one pass, no new
+        # tensor, none of keras.Variable.assign's checks per write), as
+        # Keras' own torch optimizer does (torch._foreach_add_ on v.value).
+        self._torch = _torch_no_grad() if keras.backend.backend() == "torch" else None
 
     # -- the family's variables and inner optimizer
     def assign(self, variable: Any, value: Any) -> Any:
+        if self._torch is not None:
+            with self._torch():
+                variable.value.copy_(_tensor(value))
+            return
         variable.assign(ops.cast(value, variable.dtype))
 
     def assign_add(self, variable: Any, value: Any) -> Any:
+        if self._torch is not None:
+            with self._torch():
+                variable.value.add_(_tensor(value))
+            return
         variable.assign(ops.add(variable.value, ops.cast(value, variable.dtype)))
 
     def cond(self, pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
@@ -187,7 +225,7 @@ class KerasOpsBackend:
 
     @staticmethod
     def dtype(value: Any) -> Any:
-        return keras.backend.standardize_dtype(value.dtype)
+        return _standard(value.dtype)
 
     @staticmethod
     def constant(value: Any, dtype: Any) -> Any:
@@ -245,7 +283,7 @@ class KerasOpsBackend:
         return ops.multiply(grad, ops.cast(weight, grad.dtype))
 
     def cast_gradient(self, grad: Any, dtype: Any) -> Any:
-        if dtype is None or grad is None or self.dtype(grad) == keras.backend.standardize_dtype(dtype):
+        if dtype is None or grad is None or self.dtype(grad) == _standard(dtype):
             return grad
         return ops.cast(grad, dtype)
 

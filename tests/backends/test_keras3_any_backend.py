@@ -1,5 +1,5 @@
 """Keras 3's wrapper on whichever backend runs (``KERAS_BACKEND``): TensorFlow
-in the k3 leg, JAX in k3-jax, torch in k3-torch (``make test-torch``).
+in the k3 leg, JAX in k3-jax, torch in k3-torch.
 
 Written once with ``keras.ops`` and NumPy. Every check is against an
 independent reference: the plain inner optimizer trained on the large batch
