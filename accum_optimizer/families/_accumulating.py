@@ -46,6 +46,25 @@ def shape_mismatch(gradient_shape: tuple, variable_shape: tuple, name: str) -> V
     )
 
 
+def weight_type_error(weight: Any) -> TypeError:
+    """The error of a micro-step ``weight`` that is not a real number."""
+    return TypeError(
+        "`weight` must be a scalar >= 0 (the micro-batch's count: samples, "
+        f"sum of sample weights or unmasked tokens). Received weight={weight!r} "
+        f"of type {type(weight).__name__}."
+    )
+
+
+def weight_shape_error(shape: tuple) -> ValueError:
+    """The error of a micro-step ``weight`` that is not a scalar."""
+    return ValueError(f"`weight` must be a scalar (one count per micro-step). Received a value of shape {shape}.")
+
+
+def weight_value_error(received: Any) -> ValueError:
+    """The error of a micro-step ``weight`` that is negative, NaN or infinite."""
+    return ValueError(f"`weight` must be finite and >= 0 (the micro-batch's count). Received weight={received!r}.")
+
+
 def no_gradients(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> None:
     """Raise ValueError if every gradient is ``None``."""
     if all(g is None for g in grads):

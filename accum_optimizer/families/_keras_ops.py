@@ -35,7 +35,13 @@ from keras import ops
 
 from accum_optimizer import core
 from accum_optimizer.families import _accumulating
-from accum_optimizer.families._accumulating import shape_mismatch, variable_name
+from accum_optimizer.families._accumulating import (
+    shape_mismatch,
+    variable_name,
+    weight_shape_error,
+    weight_type_error,
+    weight_value_error,
+)
 
 
 def is_traced(value: Any) -> bool:
@@ -77,11 +83,7 @@ def check_weight(weight: Any) -> Any:
     """
     if weight is None:
         return None
-    bad_type = TypeError(
-        "`weight` must be a scalar >= 0 (the micro-batch's count: samples, "
-        f"sum of sample weights or unmasked tokens). Received weight={weight!r} "
-        f"of type {type(weight).__name__}."
-    )
+    bad_type = weight_type_error(weight)
     if isinstance(weight, (bool, str, bytes)):
         raise bad_type
     try:
@@ -92,17 +94,11 @@ def check_weight(weight: Any) -> Any:
     if dtype == "bool" or not (keras.backend.is_float_dtype(dtype) or keras.backend.is_int_dtype(dtype)):
         raise bad_type
     if len(value.shape) != 0:
-        raise ValueError(
-            "`weight` must be a scalar (one count per micro-step). Received a "
-            f"value of shape {tuple(value.shape)}."
-        )
+        raise weight_shape_error(tuple(value.shape))
     value = ops.cast(value, "float32")
     check_when_run(
         ops.logical_and(ops.isfinite(value), ops.greater_equal(value, 0.0)),
-        lambda: ValueError(
-            "`weight` must be finite and >= 0 (the micro-batch's count). "
-            f"Received weight={weight if not is_traced(weight) else 'a traced value'}."
-        ),
+        lambda: weight_value_error("a traced value" if is_traced(weight) else weight),
     )
     return value
 

@@ -18,7 +18,12 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from accum_optimizer import _args
-from accum_optimizer.families._accumulating import shape_mismatch
+from accum_optimizer.families._accumulating import (
+    shape_mismatch,
+    weight_shape_error,
+    weight_type_error,
+    weight_value_error,
+)
 
 
 class TFBackend:
@@ -254,24 +259,14 @@ def check_weight(weight: Any) -> Any:
         if not (value.dtype.is_floating or value.dtype.is_integer) or value.dtype == tf.bool:
             raise TypeError
     except (TypeError, ValueError):
-        raise TypeError(
-            "`weight` must be a scalar >= 0 (the micro-batch's count: samples, "
-            f"sum of sample weights or unmasked tokens). Received weight={weight!r} "
-            f"of type {type(weight).__name__}."
-        ) from None
+        raise weight_type_error(weight) from None
     value = tf.cast(value, tf.float32)
     if value.shape.rank is not None and value.shape.rank != 0:
-        raise ValueError(
-            "`weight` must be a scalar (one count per micro-step). Received a "
-            f"value of shape {tuple(value.shape)}."
-        )
+        raise weight_shape_error(tuple(value.shape))
     if tf.executing_eagerly() or tf.get_static_value(value) is not None:
         number = float(tf.get_static_value(value))
         if not (number >= 0 and number < float("inf")):
-            raise ValueError(
-                "`weight` must be finite and >= 0 (the micro-batch's count). "
-                f"Received weight={number!r}."
-            )
+            raise weight_value_error(number)
         return value
     check = tf.debugging.assert_all_finite(value, "`weight` must be finite")
     with tf.control_dependencies([check, tf.debugging.assert_non_negative(value, message="`weight` must be >= 0")]):

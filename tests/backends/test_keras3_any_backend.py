@@ -165,6 +165,17 @@ def grads_like(variables, seed: int, scale: float = 1.0, dtype: str = "float32")
     return [(scale * rng.normal(size=tuple(v.shape))).astype(dtype) for v in variables]
 
 
+def loop_and_reference(make_inner, mode, steps=N, dtype="float32", **kwargs):
+    """A :class:`Loop` around ``AccumulatingOptimizer(make_inner(), steps,
+    **kwargs)`` and the reference: copies of its starting variables and a
+    plain ``make_inner()`` built on them."""
+    loop = Loop(AccumulatingOptimizer(make_inner(), steps, **kwargs), mode, dtype=dtype)
+    ref_vars = [keras.Variable(v.value) for v in loop.variables]
+    reference = make_inner()
+    reference.build(ref_vars)
+    return loop, ref_vars, reference
+
+
 def plain_step(optimizer, variables, grads):
     """The reference: the plain optimizer's own ``apply`` (``None`` entries
     and their variables left out, as Keras does)."""
@@ -174,21 +185,16 @@ def plain_step(optimizer, variables, grads):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_custom_loop_window_is_the_mean_and_nothing_moves_between_updates(mode):
-    loop = Loop(AccumulatingOptimizer(keras.optimizers.Adam(0.05, weight_decay=0.1), N), mode)
-    ref_vars = [keras.Variable(v.value) for v in loop.variables]
-    reference = keras.optimizers.Adam(0.05, weight_decay=0.1)
-    reference.build(ref_vars)
+    loop, ref_vars, reference = loop_and_reference(lambda: keras.optimizers.Adam(0.05, weight_decay=0.1), mode)
+    state = lambda: values(loop.variables) + values(loop.optimizer.inner_optimizer.variables)  # noqa: E731
     for window in range(2):
         micro = [grads_like(ref_vars, 10 * window + i) for i in range(N)]
-        before = None
+        start = state()
         for i, g in enumerate(micro):
             loop.step(g)
             loop.sync()
-            if i < N - 1:
-                now = values(loop.variables) + values(loop.optimizer.inner_optimizer.variables)
-                if before is not None:
-                    assert_bitwise_equal(before, now, "between updates")
-                before = now
+            if i < N - 1:  # accumulate-only: weights and the inner optimizer bitwise as at the window's start
+                assert_bitwise_equal(start, state(), "between updates")
         plain_step(reference, ref_vars, [sum(gs) / N for gs in zip(*micro)])
         assert max_abs_diff(values(ref_vars), values(loop.variables)) <= TOL
     assert int(ops.convert_to_numpy(loop.optimizer.iterations)) == 2
@@ -197,10 +203,7 @@ def test_custom_loop_window_is_the_mean_and_nothing_moves_between_updates(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_missing_gradients_leave_a_variable_untouched_and_gate_the_closing_micro_step(mode):
-    loop = Loop(AccumulatingOptimizer(keras.optimizers.Adam(0.05, weight_decay=0.1), N), mode)
-    ref_vars = [keras.Variable(v.value) for v in loop.variables]
-    reference = keras.optimizers.Adam(0.05, weight_decay=0.1)
-    reference.build(ref_vars)
+    loop, ref_vars, reference = loop_and_reference(lambda: keras.optimizers.Adam(0.05, weight_decay=0.1), mode)
     last = len(ref_vars) - 1
     # Window 1: the last variable never gets a gradient: not updated, not decayed.
     micro = [grads_like(ref_vars, i) for i in range(N)]
@@ -224,10 +227,8 @@ def test_missing_gradients_leave_a_variable_untouched_and_gate_the_closing_micro
 @pytest.mark.parametrize("mode", MODES)
 def test_weighted_window_and_sum_reduction(mode):
     for reduction in ("mean", "sum"):
-        loop = Loop(AccumulatingOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), N, reduction=reduction), mode)
-        ref_vars = [keras.Variable(v.value) for v in loop.variables]
-        reference = keras.optimizers.SGD(0.1, momentum=0.9)
-        reference.build(ref_vars)
+        loop, ref_vars, reference = loop_and_reference(
+            lambda: keras.optimizers.SGD(0.1, momentum=0.9), mode, reduction=reduction)
         for window in range(2):
             micro = [grads_like(ref_vars, 10 * window + i) for i in range(N)]
             counts = [3.0, 0.5, 2.0] if reduction == "mean" else [None] * N
@@ -245,10 +246,7 @@ def test_weighted_window_and_sum_reduction(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_accumulation_schedule_and_flush(mode):
     schedule = {0: 2, 2: 3}  # updates 0 and 1: N = 2; then N = 3
-    loop = Loop(AccumulatingOptimizer(keras.optimizers.Adam(0.05), schedule), mode)
-    ref_vars = [keras.Variable(v.value) for v in loop.variables]
-    reference = keras.optimizers.Adam(0.05)
-    reference.build(ref_vars)
+    loop, ref_vars, reference = loop_and_reference(lambda: keras.optimizers.Adam(0.05), mode, steps=schedule)
     seed = 0
     for n in (2, 2, 3):
         micro = [grads_like(ref_vars, seed + i) for i in range(n)]
@@ -277,10 +275,7 @@ def test_accumulation_schedule_and_flush(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_nonfinite_policies(mode):
     for policy in ("skip_micro_step", "skip_window"):
-        loop = Loop(AccumulatingOptimizer(keras.optimizers.SGD(0.1), N, nonfinite=policy), mode)
-        ref_vars = [keras.Variable(v.value) for v in loop.variables]
-        reference = keras.optimizers.SGD(0.1)
-        reference.build(ref_vars)
+        loop, ref_vars, reference = loop_and_reference(lambda: keras.optimizers.SGD(0.1), mode, nonfinite=policy)
         micro = [grads_like(ref_vars, i) for i in range(N + 1)]
         bad = grads_like(ref_vars, 99)
         bad[0][0, 0] = np.nan
@@ -527,3 +522,20 @@ def test_micro_step_the_loss_scale_optimizer_skips_follows_the_policy(policy):
     assert (count(acc.micro_steps), count(acc.iterations)) == (micro_steps, iterations)
     assert (count(acc.skipped_micro_steps), count(acc.skipped_windows)) == (skipped, windows)
     assert float(ops.convert_to_numpy(model.optimizer.dynamic_scale)) == model.optimizer.initial_scale / 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_weights_are_refused_before_any_state_changes(mode):
+    loop = Loop(AccumulatingOptimizer(keras.optimizers.SGD(0.1), N), mode)
+    g = grads_like(loop.variables, 0)
+    if mode == "eager":
+        with pytest.raises(TypeError, match=r"`weight` must be a scalar >= 0 .*Received weight='two'"):
+            loop.step(g, weight="two")
+        with pytest.raises(ValueError, match=r"`weight` must be a scalar \(one count per micro-step\)"):
+            loop.step(g, weight=np.ones(2, "float32"))
+    before = values(loop.optimizer.variables)
+    # Inside jax.jit the check runs with the step (a host callback) and fails it.
+    with pytest.raises(Exception, match=r"`weight` must be finite and >= 0"):
+        loop.step(g, weight=np.float32(-1.0))
+        loop.sync()
+    assert_bitwise_equal(before, values(loop.optimizer.variables), "state after a refused weight")
