@@ -37,6 +37,12 @@ TEST_DOCS ?= yes
 # the other.
 TEST_LANES ?= 2
 LANE1_LEGS := k3 k3-jax k3-torch
+# `make test TEST_KEEP_VENVS=no` removes each leg's venv once its tests end
+# (.ci/run does, with PIP_NO_CACHE_DIR=1): all the legs' venvs together take
+# about 9 GB, and CI's disk is shared (a run once failed with "No space left
+# on device" installing its sixth leg). At most two venvs then exist at once.
+TEST_KEEP_VENVS ?= yes
+rparen := )
 
 # Which tests a leg runs. Every leg collects tests/ (core/, contract/ and one
 # folder per family; tests of a family the leg lacks skip with the reason);
@@ -209,6 +215,10 @@ test:
 	  line=$$(grep -E '^(=+ )?[0-9a-z ,]*(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' $$log | tail -n 1 | sed -E 's/^=+ | =+$$//g'); \
 	  [ $$rc -eq 0 ] && result=ok || result=FAILED; \
 	  echo "$$leg: $$result ($${line:-no pytest summary}); install $$((mid-start)) s, tests $$((SECONDS-mid)) s" > $(VENVS)/.result-$$leg; \
+	  if [ "$(TEST_KEEP_VENVS)" = no ]; then \
+	    case $$leg in $(foreach leg,$(sort $(ALL_LEGS) $(LEGS)),$(leg)$(rparen) rm -rf $(DIR_$(leg));;) esac; \
+	    echo "$$leg: venv removed (TEST_KEEP_VENVS=no); $$(df -h --output=avail . | tail -n 1 | tr -d ' ') free"; \
+	  fi; \
 	}; \
 	lane1=""; lane2=""; \
 	for leg in $(LEGS); do \
