@@ -421,3 +421,20 @@ def model_being_loaded(optimizer: Any) -> Any:
     or ``None``."""
     require(MODEL_BEING_LOADED, keras)
     return model_up_the_stack(optimizer, keras.Model)
+
+
+BATCH_NORM_MOMENTS = private(
+    "keras.layers.BatchNormalization._moments",
+    "keras",
+    "accum_optimizer.layers.BatchNormalization normalises a micro-batch by the moments its parent "
+    "computes (masks and synchronized=True included) and pools them; the parent computes them inside "
+    "call() next to its own moving-statistics update and exports no other route",
+    CHECKED,
+    lambda k: k.layers.BatchNormalization._moments,
+)
+
+
+def batch_norm_moments(layer: Any, inputs: Any, mask: Any) -> tuple:
+    """``(mean, variance)`` of ``inputs`` as ``layer``'s Keras
+    ``BatchNormalization.call`` computes them in training."""
+    return require(BATCH_NORM_MOMENTS, keras)(layer, inputs, mask)

@@ -69,6 +69,10 @@ class WindowState:
             ``"skip_window"`` (units: windows).
         window_poisoned: int64 scalar, 1 while the current window has had a
             non-finite micro-step (``"skip_window"``).
+        followers: what else ends with the window: each is called once
+            whenever a window ends (its update, a discard, a flush), after
+            the update, inside the branch that ends it (the pooled statistics
+            of ``accum_optimizer.layers.BatchNormalization``).
     """
 
     acc_grads: Sequence[Any]
@@ -83,6 +87,7 @@ class WindowState:
     skipped_micro_steps: Any = None
     skipped_windows: Any = None
     window_poisoned: Any = None
+    followers: Sequence[Callable[[], Any]] = ()
 
     def rows_tracker(self, i: int) -> Any:
         """Variable ``i``'s row tracker, or ``None``."""

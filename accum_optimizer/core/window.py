@@ -12,7 +12,8 @@ One call of :func:`micro_step` is one micro-step:
    :func:`close_window` calls the inner optimizer once with the window's
    gradient (``Σ cᵢ·gᵢ / Σ cᵢ`` for ``"mean"``, ``Σ cᵢ·gᵢ`` for ``"sum"``),
    gated per variable by ``grad_received``, then zeroes the accumulators,
-   ``window_weight``, ``mini_step`` and ``grad_received``. Otherwise nothing
+   ``window_weight``, ``mini_step`` and ``grad_received``; then the state's
+   ``followers`` end their windows too (BatchNorm's pooled statistics). Otherwise nothing
    else happens: the model weights and every variable of the inner optimizer
    stay bitwise untouched.
 
@@ -251,9 +252,14 @@ def close_window(
         return b.cond(b.greater(total, 0), update, drop)
 
     if rules.nonfinite != "skip_window":
-        return weighted_update()
-    poisoned = b.greater(b.read(state.window_poisoned), 0)
-    return b.cond(poisoned, lambda: discard_window(b, state, sparse, replicas), weighted_update)
+        ended = weighted_update()
+    else:
+        poisoned = b.greater(b.read(state.window_poisoned), 0)
+        ended = b.cond(poisoned, lambda: discard_window(b, state, sparse, replicas), weighted_update)
+    if not state.followers:
+        return ended
+    with b.after(ended):  # a discarded window ends too: the large batch's forward pass still ran
+        return [ended, *(follow() for follow in state.followers)]
 
 
 def apply_window(

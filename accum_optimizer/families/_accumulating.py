@@ -213,6 +213,7 @@ class Accumulating(_args.Constructor):
             skipped_micro_steps=getattr(self, "skipped_micro_steps", None),
             skipped_windows=getattr(self, "skipped_windows", None),
             window_poisoned=getattr(self, "window_poisoned", None),
+            followers=tuple(self.__dict__.get("_window_followers", ())),
         )
 
     def _rules(self, weighted: bool | None = None) -> core.Rules:

@@ -539,3 +539,22 @@ def test_bad_weights_are_refused_before_any_state_changes(mode):
         loop.step(g, weight=np.float32(-1.0))
         loop.sync()
     assert_bitwise_equal(before, values(loop.optimizer.variables), "state after a refused weight")
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow: tests/keras3/test_batch_norm.py")
+def test_pooled_batch_norm_is_the_parent_here_and_refused_by_an_accumulating_optimizer():
+    """On JAX and torch, accum_optimizer.layers.BatchNormalization is the
+    parent layer (plain training: bitwise Keras' moving statistics), and an
+    accumulating optimizer that would train it says so at build."""
+    from accum_optimizer.layers import BatchNormalization
+
+    def model(bn):
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), bn(momentum=0.9), keras.layers.Dense(1)])
+
+    ours, parent = fit(keras.optimizers.SGD(0.01), B, model=model(BatchNormalization)), fit(
+        keras.optimizers.SGD(0.01), B, model=model(keras.layers.BatchNormalization))
+    assert_bitwise_equal([ops.convert_to_numpy(v) for v in ours.layers[1].weights[:4]],
+                         [ops.convert_to_numpy(v) for v in parent.layers[1].weights])
+    with pytest.raises(NotImplementedError, match=f"TensorFlow backend only.*{BACKEND}"):
+        AccumulatingOptimizer(keras.optimizers.SGD(0.01), N).build(ours.trainable_variables)

@@ -1,0 +1,313 @@
+"""Keras 3's ``BatchNormalization`` with moving statistics pooled per window.
+
+The layer pools each micro-batch's moments (:mod:`accum_optimizer.core.moments`)
+in three saved variables; the ``AccumulatingOptimizer`` that trains it calls
+:meth:`BatchNormalization.end_window` whenever one of its windows ends (an
+update, a discarded window, ``flush()``: ``WindowState.followers``), and the
+moving statistics take one momentum step there.
+
+How a layer finds its optimizer: when an accumulating wrapper builds (its
+first step, in ``fit`` or a custom loop), :func:`follow` links every
+pooling layer whose trainable weights are in its ``var_list``. The layer's
+training forward pass decides between pooling and the parent's own update
+at run time, on a flag the link sets (the forward pass of a custom loop's
+first step is traced before the optimizer builds); once a live link is
+known when the step is traced (``fit`` builds its optimizer first), only
+the pooling branch is traced.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import keras
+from keras import ops
+
+from accum_optimizer._compat import keras3 as compat
+from accum_optimizer.core import moments
+
+_POOLING_LAYERS: "weakref.WeakSet[BatchNormalization]" = weakref.WeakSet()
+
+
+class _Link:
+    """What ties a layer to its optimizer, kept off Keras' tracking (so not
+    saved): the optimizer (weakly) and the run-time flag."""
+
+    def __init__(self) -> None:
+        self.optimizer: Callable[[], Any] | None = None
+        self.pooling: Any = None  # int32 scalar variable, 1 while linked
+        # Eagerly, a custom loop's first forward pass runs before its
+        # optimizer builds: the moving statistics before it (undone by the
+        # link, which keeps that micro-batch in the pool).
+        self.undo: tuple | None = None
+
+
+@keras.saving.register_keras_serializable(package="accum_optimizer")
+class BatchNormalization(keras.layers.BatchNormalization):
+    """``keras.layers.BatchNormalization`` whose moving statistics move once
+    per accumulation window, by the window's pooled statistics.
+
+    Same arguments, same normalisation and the same serialization as
+    ``keras.layers.BatchNormalization`` (Keras 3); ``renorm=True`` is not
+    supported. In training, while an ``AccumulatingOptimizer`` with N > 1
+    trains it, each micro-batch is normalised by its own moments (as the
+    parent does) and its count, mean and variance per channel are pooled
+    into ``window_count`` (float32 scalar, elements per channel),
+    ``window_mean`` and ``window_variance`` (float32 ``(channels,)``); when
+    the optimizer's window ends (its update, a window it discards, or
+    ``flush()``), ``moving_mean``/``moving_variance`` take one momentum step
+    with the pool (Keras' expression, with the pool in place of one batch's
+    moments) and the pool empties. The three pool variables are saved with
+    the model, so a run resumed mid-window continues the same window.
+
+    The pool of a window's micro-batches equals the moments of their union,
+    so where the layers in front of it do not train (or it is on the input),
+    the moving statistics after every window equal those of training on the
+    batch of N·B; where they train, they are the pooled statistics of what
+    this layer saw (see the documentation's page on BatchNorm).
+
+    Outside training, while ``trainable`` is false, with no accumulating
+    optimizer (a plain optimizer, N = 1) or on a backend other than
+    TensorFlow, it is exactly the parent layer.
+
+    Raises:
+        ValueError: ``renorm=True``; or, when an optimizer links it, the
+            layer already follows another live accumulating optimizer.
+        NotImplementedError: an accumulating optimizer on JAX or torch, or
+            under a distribution strategy with more than one replica, links
+            it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.renorm:
+            raise ValueError(
+                "accum_optimizer.layers.BatchNormalization does not support renorm=True (received "
+                "renorm=True): batch renormalisation keeps its own per-batch moving statistics. Use "
+                "keras.layers.BatchNormalization(renorm=True), which does not depend on the "
+                "micro-batch's statistics as much, or GroupNormalization/LayerNormalization."
+            )
+        self._window_link = _Link()
+
+    def build(self, input_shape: Sequence[Any]) -> None:
+        super().build(input_shape)
+        channels = (input_shape[self.axis],)
+        self.window_count = self.add_weight(
+            shape=(), name="window_count", initializer="zeros", dtype="float32", trainable=False, autocast=False
+        )
+        self.window_mean = self.add_weight(
+            shape=channels, name="window_mean", initializer="zeros", dtype="float32", trainable=False,
+            autocast=False,
+        )
+        self.window_variance = self.add_weight(
+            shape=channels, name="window_variance", initializer="zeros", dtype="float32", trainable=False,
+            autocast=False,
+        )
+        if keras.backend.backend() == "tensorflow":
+            # Held by the untracked link: not a weight, not saved.
+            self._window_link.pooling = keras.Variable(0, dtype="int32", trainable=False, name="pooling")
+        _POOLING_LAYERS.add(self)
+
+    # ---------------------------------------------------------------- forward
+    def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
+        parent_call = super().call
+        link = self._window_link
+        if not (training and self.trainable) or link.pooling is None:
+            return parent_call(inputs, training=training, mask=mask)
+        owner = link.optimizer() if link.optimizer is not None else None
+        if owner is not None:
+            return self._pooling_call(inputs, mask)
+        if link.optimizer is not None:  # its optimizer is gone: the parent's update from now on
+            _set_flag(self, 0)
+            link.optimizer = None
+            return parent_call(inputs, training=training, mask=mask)
+        if _executing_eagerly():
+            return self._unlinked_eager_call(inputs, mask)
+        # Not linked yet when traced (a custom loop's first step): decided
+        # when it runs, by the flag the optimizer's build sets.
+        return ops.cond(
+            ops.greater(link.pooling, 0),
+            lambda: self._pooling_call(inputs, mask),
+            lambda: parent_call(inputs, training=training, mask=mask),
+        )
+
+    def _pooling_call(self, inputs: Any, mask: Any) -> Any:
+        """The parent's training forward pass (normalised by the
+        micro-batch's own moments), pooling the moments in place of the
+        moving-statistics update."""
+        if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
+            return super().call(inputs, training=True, mask=mask)  # the parent's error
+        inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
+        mean, variance = compat.batch_norm_moments(self, inputs, mask)
+        if mask is None:
+            count = ops.cast(ops.size(inputs), "float32") / float(inputs.shape[self.axis])
+        else:
+            count = ops.sum(ops.cast(mask, "float32")) * (
+                ops.cast(ops.size(inputs), "float32") / ops.cast(ops.size(mask), "float32")
+            ) / float(inputs.shape[self.axis])
+        pool = moments.merge(
+            ops, self._pool(), count, ops.cast(mean, "float32"), ops.cast(variance, "float32")
+        )
+        self.window_count.assign(pool.count)
+        self.window_mean.assign(pool.mean)
+        self.window_variance.assign(pool.variance)
+        gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
+        beta = ops.cast(self.beta, inputs.dtype) if self.center else None
+        outputs = ops.batch_normalization(
+            x=inputs, mean=mean, variance=variance, axis=self.axis, offset=beta, scale=gamma,
+            epsilon=self.epsilon,
+        )
+        return ops.cast(outputs, self.compute_dtype)
+
+    def _unlinked_eager_call(self, inputs: Any, mask: Any) -> Any:
+        """The parent's training step, run eagerly before any link: the pool
+        holds only this micro-batch, the moving statistics take the parent's
+        step with it (bitwise: a pool of one micro-batch is its moments),
+        and what they were is kept for a link that comes next (:func:`follow`)."""
+        self.window_count.assign(ops.zeros_like(self.window_count.value))
+        self._window_link.undo = (  # copies (an eager read may share the variable's buffer)
+            ops.convert_to_numpy(self.moving_mean).copy(), ops.convert_to_numpy(self.moving_variance).copy()
+        )
+        outputs = self._pooling_call(inputs, mask)
+        moving_mean, moving_variance = moments.moving_step(
+            ops, self.moving_mean.value, self.moving_variance.value, self._pool(), self.momentum
+        )
+        self.moving_mean.assign(moving_mean)
+        self.moving_variance.assign(moving_variance)
+        return outputs
+
+    # ------------------------------------------------------------ the window
+    def _pool(self) -> moments.Pool:
+        return moments.Pool(self.window_count.value, self.window_mean.value, self.window_variance.value)
+
+    def end_window(self) -> list:
+        """One momentum step of the moving statistics with the window's pool
+        (none if it pooled nothing), then an empty pool. Called by the
+        optimizer that trains the layer whenever its window ends; call it
+        yourself only to end a window that optimizer will not end."""
+        moving_mean, moving_variance = moments.moving_step(
+            ops, self.moving_mean.value, self.moving_variance.value, self._pool(), self.momentum
+        )
+        return [
+            self.moving_mean.assign(moving_mean),
+            self.moving_variance.assign(moving_variance),
+            self.window_count.assign(ops.zeros_like(self.window_count.value)),
+            self.window_mean.assign(ops.zeros_like(self.window_mean.value)),
+            self.window_variance.assign(ops.zeros_like(self.window_variance.value)),
+        ]
+
+
+def _executing_eagerly() -> bool:
+    import tensorflow as tf  # the link exists on the TensorFlow backend only
+
+    return tf.executing_eagerly()
+
+
+def _set_flag(layer: BatchNormalization, value: int) -> None:
+    """Set the run-time flag now, also while a step is being traced (the
+    optimizer builds inside the first step's trace)."""
+    import tensorflow as tf  # the flag exists on the TensorFlow backend only
+
+    with tf.init_scope():
+        layer._window_link.pooling.assign(value)
+
+
+def follow(optimizer: Any, var_list: Sequence[Any]) -> list:
+    """Link the pooling layers whose trainable weights are among
+    ``var_list`` to ``optimizer`` (an accumulating wrapper being built);
+    return their :meth:`~BatchNormalization.end_window` methods, for the
+    optimizer's ``WindowState.followers``.
+
+    Raises:
+        ValueError: a layer already follows another live accumulating optimizer.
+        NotImplementedError: a layer would follow it on JAX or torch, or under a
+            strategy with more than one replica.
+    """
+    ids = {id(v) for v in var_list}
+    layers = [layer for layer in list(_POOLING_LAYERS)
+              if any(id(w) in ids for w in layer.trainable_weights)]
+    if not layers:
+        return []
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise NotImplementedError(
+            f"accum_optimizer.layers.BatchNormalization follows the window of an AccumulatingOptimizer "
+            f"on the TensorFlow backend only (this is {backend!r}); here use keras.layers.BatchNormalization "
+            f"(moving statistics per micro-batch), or GroupNormalization/LayerNormalization."
+        )
+    import tensorflow as tf
+
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        raise NotImplementedError(
+            f"accum_optimizer.layers.BatchNormalization does not pool across replicas yet: the optimizer is "
+            f"built under a distribution strategy with {replicas} replicas. Train on one device, or use "
+            f"keras.layers.BatchNormalization(synchronized=True) (moving statistics per micro-batch, "
+            f"pooled over replicas)."
+        )
+    for layer in layers:
+        current = layer._window_link.optimizer() if layer._window_link.optimizer is not None else None
+        if current is not None and current is not optimizer:
+            raise ValueError(
+                f"BatchNormalization layer {layer.name!r} already follows the windows of "
+                f"{current.name!r}; a second accumulating optimizer ({optimizer.name!r}) trains it too. "
+                f"A layer's moving statistics can follow one optimizer's windows: train it with one "
+                f"AccumulatingOptimizer (delete the other), or keep it out of one of the var_lists."
+            )
+    for layer in layers:
+        link = layer._window_link
+        link.optimizer = weakref.ref(optimizer)
+        _set_flag(layer, 1)
+        if link.undo is not None:  # its first micro-batch ran eagerly, unlinked: pooled, not applied
+            with tf.init_scope():
+                layer.moving_mean.assign(link.undo[0])
+                layer.moving_variance.assign(link.undo[1])
+            link.undo = None
+    return [layer.end_window for layer in layers]
+
+
+def convert_batch_norm(model: Any) -> Any:
+    """A copy of ``model`` (Sequential or Functional, nested models
+    included) with every ``keras.layers.BatchNormalization`` replaced by
+    :class:`BatchNormalization` of the same config, and every weight
+    (moving statistics included) copied; the pools start empty. The
+    original model is not changed.
+
+    Raises:
+        TypeError: ``model`` is not a Keras 3 Sequential or Functional model
+            (a subclassed model: build it with
+            ``accum_optimizer.layers.BatchNormalization`` in its code).
+        ValueError: a ``BatchNormalization`` has ``renorm=True``.
+    """
+    subclassed = TypeError(
+        f"convert_batch_norm takes a Keras 3 Sequential or Functional model; received "
+        f"{type(model).__name__}. For a subclassed model, create its layers with "
+        f"accum_optimizer.layers.BatchNormalization in place of keras.layers.BatchNormalization."
+    )
+    if not isinstance(model, keras.Model):
+        raise subclassed
+
+    def clone(layer: Any) -> Any:
+        if isinstance(layer, keras.layers.BatchNormalization) and not isinstance(layer, BatchNormalization):
+            return BatchNormalization.from_config(layer.get_config())
+        return layer.__class__.from_config(layer.get_config())
+
+    try:
+        converted = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    except ValueError as e:  # Keras: clone_function needs a Sequential or Functional model
+        if isinstance(model, keras.Sequential) or "Functional" not in str(e):
+            raise
+        raise subclassed from e
+    old = {v.path: v for v in model.weights}
+    new = {v.path: v for v in converted.weights}
+    missing = sorted(set(old) - set(new))
+    if missing or len(old) != len(model.weights):
+        raise ValueError(
+            f"convert_batch_norm could not match the weights of {model.name!r} in its copy by path "
+            f"(unmatched: {missing[:5]}); convert the model before loading or training it in a "
+            f"different structure."
+        )
+    for path, variable in old.items():
+        new[path].assign(variable.value)
+    return converted

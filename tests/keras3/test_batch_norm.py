@@ -1,0 +1,345 @@
+"""`accum_optimizer.layers.BatchNormalization`: moving statistics that move
+once per window, by the window's pooled statistics.
+
+Reference: the same model with `keras.layers.BatchNormalization`, trained by
+the plain inner optimizer on the batch of N·B (or, for a layer whose inputs
+change inside training, the moments of the inputs it saw, computed here with
+NumPy). Tolerance 1e-6: float32 rounding of a mean/variance over a few
+hundred elements, relative to statistics of order 1-10.
+"""
+
+from __future__ import annotations
+
+from support.families import require
+
+require("keras3")  # first, before Keras is imported: skips the module elsewhere
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accum_optimizer import AccumulatingOptimizer
+from accum_optimizer.layers import BatchNormalization, convert_batch_norm
+
+pytestmark = pytest.mark.keras3
+TOL = 1e-6
+N, B, WINDOWS = 4, 8, 3
+
+
+def _data(n, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(2.0, 3.0, (n, *shape)).astype("float32")
+    return x, rng.normal(size=(n, 1)).astype("float32")
+
+
+def _dense(front_trainable=False, two=False):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((5,)), keras.layers.Dense(6, trainable=front_trainable),
+              keras.layers.BatchNormalization(momentum=0.9)]
+    if two:
+        layers += [keras.layers.Dense(4), keras.layers.BatchNormalization(momentum=0.8)]
+    return keras.Sequential(layers + [keras.layers.Dense(1)])
+
+
+def _conv(data_format):
+    """Conv -> BN (channels_last, the conv frozen), or BN on the input
+    (channels_first: TF's CPU convolution is NHWC only)."""
+    keras.utils.set_random_seed(1)
+    if data_format == "channels_last":
+        return keras.Sequential([
+            keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3, trainable=False),
+            keras.layers.BatchNormalization(momentum=0.9), keras.layers.Flatten(), keras.layers.Dense(1),
+        ])
+    return keras.Sequential([
+        keras.Input((2, 6, 6)), keras.layers.BatchNormalization(axis=1, momentum=0.9),
+        keras.layers.Flatten(), keras.layers.Dense(1),
+    ])
+
+
+def _step(model, optimizer):
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    return step
+
+
+def _bns(model, cls=keras.layers.BatchNormalization):
+    return [layer for layer in model.layers if isinstance(layer, cls)]
+
+
+def _stats(model):
+    return [(bn.moving_mean.numpy(), bn.moving_variance.numpy()) for bn in _bns(model)]
+
+
+def _assert_stats_close(got, want, tol=TOL):
+    for (gm, gv), (wm, wv) in zip(got, want, strict=True):
+        np.testing.assert_allclose(gm, wm, rtol=0, atol=tol)
+        np.testing.assert_allclose(gv, wv, rtol=0, atol=tol)
+
+
+def _pair(make):
+    """The reference model (Keras' layer) and its converted copy."""
+    reference = make()
+    return reference, convert_batch_norm(reference)
+
+
+# ---------------------------------------------------------- the large batch
+@pytest.mark.parametrize("make", [
+    _dense, lambda: _conv("channels_last"), lambda: _conv("channels_first"),
+], ids=["dense", "conv-channels_last", "input-channels_first"])
+def test_moving_statistics_equal_the_large_batch_after_every_window(make):
+    reference, model = _pair(make)
+    x, y = _data(N * B * WINDOWS, reference.input_shape[1:])
+    ref_step = _step(reference, keras.optimizers.SGD(0.1))
+    step = _step(model, AccumulatingOptimizer(keras.optimizers.SGD(0.1), N))
+    for w in range(WINDOWS):
+        ref_step(x[w * N * B:(w + 1) * N * B], y[w * N * B:(w + 1) * N * B])
+        for k in range(N):
+            lo = (w * N + k) * B
+            step(x[lo:lo + B], y[lo:lo + B])
+            if k < N - 1 and w == 0:  # inside the first window: nothing moved yet
+                _assert_stats_close(_stats(model), [(np.zeros(s[0].shape), np.ones(s[1].shape)) for s in _stats(model)], 0)
+        _assert_stats_close(_stats(model), _stats(reference))
+        assert all(float(bn.window_count.numpy()) == 0 for bn in _bns(model, BatchNormalization))
+
+
+def test_fit_moving_statistics_equal_the_large_batch():
+    reference, model = _pair(_dense)
+    x, y = _data(N * B * WINDOWS, (5,))
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    model.compile(AccumulatingOptimizer(keras.optimizers.SGD(0.1), N), "mse")
+    reference.fit(x, y, batch_size=N * B, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
+def test_first_window_of_a_fully_trainable_model_equals_the_large_batch():
+    """Its first BN: the layers in front have not moved yet. (A second BN
+    sees what the first normalised by each micro-batch's own moments, not
+    the large batch's: the next test.)"""
+    reference, model = _pair(lambda: _dense(front_trainable=True))
+    x, y = _data(N * B, (5,))
+    _step(reference, keras.optimizers.SGD(0.1))(x, y)
+    step = _step(model, AccumulatingOptimizer(keras.optimizers.SGD(0.1), N))
+    for k in range(N):
+        step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
+def test_every_bn_of_a_trainable_network_pools_the_inputs_it_saw():
+    """Two BNs, every layer training: after each window, each BN's moving
+    statistics are one momentum step from the moments of the inputs it saw
+    in the window (recomputed here with the window's starting weights, which
+    stay put inside the window)."""
+    _, model = _pair(lambda: _dense(front_trainable=True, two=True))
+    x, y = _data(N * B * WINDOWS, (5,))
+    step = _step(model, AccumulatingOptimizer(keras.optimizers.Adam(0.05), N))
+    probe = keras.Sequential([keras.Input((5,))] + [
+        keras.layers.BatchNormalization.from_config(layer.get_config())
+        if isinstance(layer, BatchNormalization) else layer.__class__.from_config(layer.get_config())
+        for layer in model.layers])
+    bn_at = [i for i, layer in enumerate(model.layers) if isinstance(layer, BatchNormalization)]
+    for w in range(WINDOWS):
+        before = _stats(model)
+        for p, m in zip(probe.layers, model.layers):
+            p.set_weights(m.get_weights()[:len(p.get_weights())])
+        seen = {i: [] for i in bn_at}
+        for k in range(N):
+            h = x[(w * N + k) * B:(w * N + k + 1) * B]
+            for i, layer in enumerate(probe.layers[:bn_at[-1] + 1]):
+                if i in seen:
+                    seen[i].append(np.asarray(h))
+                h = layer(h, training=True)
+        for k in range(N):
+            lo = (w * N + k) * B
+            step(x[lo:lo + B], y[lo:lo + B])
+        for (mean, var), (old_m, old_v), i in zip(_stats(model), before, bn_at):
+            inputs, momentum = np.concatenate(seen[i]).astype("float64"), model.layers[i].momentum
+            np.testing.assert_allclose(mean, old_m * momentum + inputs.mean(0) * (1 - momentum), rtol=0, atol=TOL)
+            np.testing.assert_allclose(var, old_v * momentum + inputs.var(0) * (1 - momentum), rtol=0, atol=TOL)
+
+
+# --------------------------------------------------- windows of every shape
+def test_unequal_micro_batches_pool_by_their_sizes():
+    sizes = (4, 4, 2)
+    reference, model = _pair(_dense)
+    x, y = _data(sum(sizes), (5,))
+    _step(reference, keras.optimizers.SGD(0.1))(x, y)
+    opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), len(sizes))
+    edges = np.cumsum((0,) + sizes)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y[lo:hi], model(x[lo:hi], training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
+def test_a_flushed_partial_window_moves_them_by_what_it_holds():
+    reference, model = _pair(_dense)
+    x, y = _data(2 * B, (5,))
+    _step(reference, keras.optimizers.SGD(0.1))(x, y)
+    opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), N)
+    step = _step(model, opt)
+    step(x[:B], y[:B])
+    step(x[B:], y[B:])
+    assert _stats(model)[0][0].tolist() == [0.0] * 6  # the window is open
+    opt.flush()
+    _assert_stats_close(_stats(model), _stats(reference))
+    opt.flush()  # an empty window: nothing moves
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
+def test_flush_partial_window_callback_in_fit():
+    reference, model = _pair(_dense)
+    x, y = _data(6 * B, (5,))  # one window of 4 and a partial one of 2 micro-batches
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.fit(x[:4 * B], y[:4 * B], batch_size=4 * B, verbose=0)
+    reference.fit(x[4 * B:], y[4 * B:], batch_size=2 * B, verbose=0)
+    model.compile(AccumulatingOptimizer(keras.optimizers.SGD(0.1), N), "mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[accum_flush()])
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
+def accum_flush():
+    from accum_optimizer import FlushPartialWindow
+
+    return FlushPartialWindow()
+
+
+def test_an_accumulation_schedule_closes_windows_of_each_length():
+    schedule, windows = {0: 1, 2: 4}, (1, 1, 4, 4)
+    reference, model = _pair(_dense)
+    x, y = _data(B * sum(windows), (5,))
+    ref_step = _step(reference, keras.optimizers.SGD(0.1))
+    step = _step(model, AccumulatingOptimizer(keras.optimizers.SGD(0.1), schedule))
+    lo = 0
+    for n in windows:
+        ref_step(x[lo:lo + n * B], y[lo:lo + n * B])
+        for _ in range(n):
+            step(x[lo:lo + B], y[lo:lo + B])
+            lo += B
+        _assert_stats_close(_stats(model), _stats(reference))
+
+
+# ----------------------------------------------------------------- resume
+@pytest.mark.parametrize("fmt", ["keras", "weights.h5", "checkpoint"])
+def test_resume_mid_window_gives_the_large_batch_statistics(tmp_path, fmt):
+    reference, model = _pair(_dense)
+    x, y = _data(N * B, (5,))
+    _step(reference, keras.optimizers.SGD(0.1))(x, y)
+    opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), N)
+    model.compile(opt, "mse")
+    step = _step(model, opt)
+    for k in range(2):
+        step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+    if fmt == "keras":
+        model.save(tmp_path / "m.keras")
+        restored = keras.saving.load_model(tmp_path / "m.keras")
+        opt2 = restored.optimizer
+    else:
+        _, restored = _pair(_dense)
+        opt2 = AccumulatingOptimizer(keras.optimizers.SGD(0.1), N)
+        restored.compile(opt2, "mse")
+        if fmt == "weights.h5":
+            model.save_weights(tmp_path / "m.weights.h5")
+            restored.load_weights(tmp_path / "m.weights.h5")
+            opt2.build(restored.trainable_variables)
+            opt2.mini_step.assign(opt.mini_step)  # .weights.h5 holds the model's weights only
+        else:
+            path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))
+            opt2.build(restored.trainable_variables)
+            tf.train.Checkpoint(model=restored, optimizer=opt2).read(path).assert_consumed()
+    pooled = _bns(restored, BatchNormalization)[0]
+    assert float(pooled.window_count.numpy()) == 2 * B
+    step2 = _step(restored, opt2)
+    for k in range(2, N):
+        step2(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+    _assert_stats_close(_stats(restored), _stats(reference))
+
+
+# -------------------------------------------------- exactly the parent layer
+@pytest.mark.parametrize("optimizer", ["plain", "n1"])
+def test_without_an_accumulating_window_it_is_bitwise_the_parent(optimizer):
+    reference, model = _pair(_dense)
+    x, y = _data(3 * B, (5,))
+    make = (lambda: keras.optimizers.Adam(0.01)) if optimizer == "plain" else (
+        lambda: AccumulatingOptimizer(keras.optimizers.Adam(0.01), 1))
+    ref_step, step = _step(reference, keras.optimizers.Adam(0.01)), _step(model, make())
+    for k in range(3):
+        ref_step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+        step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+    want = {v.path: v.numpy() for v in reference.weights}
+    for v in model.weights:
+        if v.path in want:
+            np.testing.assert_array_equal(v.numpy(), want[v.path])
+    np.testing.assert_array_equal(model(x, training=False), reference(x, training=False))
+
+
+# ------------------------------------------------------------- conversion
+def test_convert_batch_norm_replaces_every_bn_and_keeps_the_outputs():
+    original = keras.applications.MobileNetV2(input_shape=(32, 32, 3), weights=None, classes=3, alpha=0.35)
+    for bn in _bns(original):  # moving statistics other than the initial ones, so the copy is seen
+        bn.moving_mean.assign(np.linspace(-1, 1, bn.moving_mean.shape[0]))
+        bn.moving_variance.assign(np.linspace(0.5, 2, bn.moving_variance.shape[0]))
+    converted = convert_batch_norm(original)
+    assert len(_bns(original)) > 10
+    assert len(_bns(converted, BatchNormalization)) == len(_bns(original))
+    assert all(isinstance(bn, BatchNormalization) for bn in _bns(converted))
+    assert not any(isinstance(bn, BatchNormalization) for bn in _bns(original))
+    x = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype("float32")
+    np.testing.assert_array_equal(converted(x, training=False), original(x, training=False))
+
+
+def test_convert_batch_norm_refuses_a_subclassed_model():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.bn(x)
+
+    net = Net()
+    net(np.zeros((1, 3), "float32"))
+    with pytest.raises(TypeError, match="Net.*accum_optimizer.layers.BatchNormalization in place of"):
+        convert_batch_norm(net)
+
+
+# ------------------------------------------------------- config and errors
+def test_saved_model_loads_with_only_the_package_imported(tmp_path):
+    _, model = _pair(_dense)
+    model.save(tmp_path / "m.keras")
+    restored = keras.saving.load_model(tmp_path / "m.keras")
+    assert type(_bns(restored)[0]) is BatchNormalization
+    assert _bns(restored)[0].get_config() == _bns(model)[0].get_config()
+
+
+def test_renorm_is_refused_with_the_alternative():
+    with pytest.raises(ValueError, match="renorm=True.*keras.layers.BatchNormalization"):
+        BatchNormalization(renorm=True)
+
+
+def test_one_layer_trained_by_two_accumulating_optimizers_is_refused():
+    _, model = _pair(_dense)
+    x, y = _data(B, (5,))
+    first = AccumulatingOptimizer(keras.optimizers.SGD(0.1), N)
+    _step(model, first)(x, y)
+    second = AccumulatingOptimizer(keras.optimizers.SGD(0.1), N, name="second")
+    with pytest.raises(ValueError, match="already follows the windows of.*second"):
+        second.build(model.trainable_variables)
+
+
+def test_mirrored_strategy_is_refused_with_the_alternative():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        _, model = _pair(_dense)
+        opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), N)
+        with pytest.raises(NotImplementedError, match="2 replicas.*synchronized=True"):
+            opt.build(model.trainable_variables)
