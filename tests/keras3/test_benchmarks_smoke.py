@@ -204,3 +204,24 @@ def test_summary(tiny_run):
     for name in ("memory", "overhead", "sparse"):
         assert f"![{name}]({name}.png)" in summary
     assert "python -m benchmarks --tiny" in summary
+
+
+def test_batchnorm_quick_run_writes_its_figures_and_the_pooled_rule_matches_the_large_batch(tmp_path):
+    """`benchmarks.batchnorm --quick`: its table, JSON, PNG and Markdown, and
+    the frozen pass's pooled-statistics error against the large batch's rule
+    at float32 rounding (the figure docs/batchnorm.md quotes)."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.batchnorm", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for name in ("batchnorm.json", "batchnorm.png", "batchnorm.md"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert "python -m benchmarks.batchnorm --quick" in (tmp_path / "batchnorm.md").read_text()
+    frozen = {way: r["frozen"] for way, r in json.loads((tmp_path / "batchnorm.json").read_text())["ways"].items()}
+    # The large batch's own float32 statistics are ~1e-6 from its float64 rule; the pooled ones as close.
+    assert frozen["accum-pooled-bn"]["variance_error_vs_rule"] < 1e-5
+    assert frozen["accum-pooled-bn"]["mean_error_vs_rule"] < 1e-5
+    # Averaging the micro-batch variances misses the spread between their means: low.
+    assert frozen["accum-andreped"]["variance_error_vs_rule"] > 10 * frozen["accum-pooled-bn"]["variance_error_vs_rule"]
+    assert frozen["accum-plain-bn"]["variance_error_vs_rule"] > 1e-2
