@@ -102,7 +102,7 @@ PINS_tfkeras   := tensorflow==2.21.* tf_keras==2.21.*
 ENV_tfkeras    := TF_USE_LEGACY_KERAS=1
 # Both Keras 2 legs prove their versions of the keras2 and legacy families;
 # the window contract tests (weighted windows, flush, resume, accumulation
-# schedules) of each family run in one of them: the legacy family's in
+# schedules, BatchNorm across micro-batches) of each family run in one of them: the legacy family's in
 # tf215, beside tensorflow-addons (time budget).
 ARGS_tfkeras   := $(TF1_TESTS) --leave-out legacy,windows
 

@@ -152,3 +152,4 @@ def register_active_families() -> None:
         importlib.import_module("accum_optimizer.layers._keras3")
     if kind == "keras2":
         importlib.import_module("accum_optimizer.families.keras2_windows").counted_loss_class(package)
+        importlib.import_module("accum_optimizer.layers._keras2").batch_normalization_class(package)

@@ -494,3 +494,22 @@ def average_model_checkpoint_class(wrapper_types: Callable[[], tuple]) -> type:
 
     AverageModelCheckpoint.__module__ = "accum_optimizer"
     return AverageModelCheckpoint
+
+
+# ----------------------------------------------------------- BatchNormalization
+BESSEL_TEST_ONLY = private(
+    "<keras2>.layers.BatchNormalization._bessels_correction_test_only",
+    "tf_keras",
+    "whether Keras 2's fused BatchNormalization updates the moving variance with the fused op's "
+    "unbiased batch variance (True, the default: only legacy V1 tests set False): the pooled "
+    "BatchNormalization applies the same correction to the window's pooled variance",
+    CHECKED,
+    lambda p: p.layers.BatchNormalization().__dict__["_bessels_correction_test_only"],
+)
+
+
+def fused_variance_is_unbiased(layer: Any, package: Any) -> bool:
+    """Does ``layer`` (a built Keras 2 ``BatchNormalization``) move its
+    moving variance with the unbiased batch variance (its fused path)?"""
+    require(BESSEL_TEST_ONLY, package)
+    return bool(layer.fused) and bool(layer._bessels_correction_test_only)

@@ -165,6 +165,15 @@ class Accumulating(_args.Constructor):
         self._set_untracked("_build_order", list(variables))
         self._set_untracked("_build_index", {self._key_of(v): i for i, v in enumerate(variables)})
 
+    def _link_followers(self, variables: Sequence[Any]) -> None:
+        """At build: the layers whose windows end with this optimizer's
+        (``accum_optimizer.layers.BatchNormalization`` over ``variables``),
+        for ``WindowState.followers``; none for the pass-through (N = 1)."""
+        if self._accumulates:
+            from accum_optimizer.layers import _link
+
+            self._set_untracked("_window_followers", _link.follow(self, variables))
+
     @property
     def _accumulates(self) -> bool:
         """Whether micro-steps go through windows (else: the pass-through)."""

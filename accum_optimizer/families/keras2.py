@@ -156,6 +156,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
             with tf.name_scope(self.inner_optimizer.name):
                 self.inner_optimizer.build(var_list)
         self._set_build_order(var_list)
+        self._link_followers(var_list)
         compat.mark_built(self)
         if self._deferred_state is not None:
             state, self.__dict__["_deferred_state"] = self._deferred_state, None

@@ -313,11 +313,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
                 ))
                 self.__dict__["_window_variables"] = [self.mini_step, self.window_weight]
         self.inner_optimizer.build(var_list)
-        if self._accumulates:
-            # BatchNorm layers that pool their statistics per window (accum_optimizer.layers).
-            from accum_optimizer.layers import _keras3 as layers
-
-            self._set_untracked("_window_followers", layers.follow(self, var_list))
+        self._link_followers(var_list)
         self.built = True
         # `build` may run inside the first traced train step; restores must
         # happen now, not in a graph that tf.function may discard.

@@ -210,6 +210,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
             compat.legacy_create_all_weights(self.inner_optimizer, var_list)
         self.__dict__["_row_trackers"] = list(self.touched_rows)
         self._set_build_order(var_list)
+        self._link_followers(var_list)
 
     @property
     def built(self) -> bool:

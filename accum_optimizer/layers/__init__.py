@@ -1,29 +1,40 @@
 """Layers that follow an ``AccumulatingOptimizer``'s windows.
 
-* :class:`BatchNormalization`: ``keras.layers.BatchNormalization`` whose
+* :class:`BatchNormalization`: the active Keras' ``BatchNormalization`` whose
   moving statistics move once per window, by the window's pooled
-  statistics (Keras 3, TensorFlow backend; see ``docs/batchnorm.md``).
+  statistics (see ``docs/batchnorm.md``).
 * :func:`convert_batch_norm`: a copy of a Sequential or Functional model
   (``keras.applications`` included) with every ``BatchNormalization``
   replaced by it, weights copied.
 
-Importing this module imports Keras 3. Under Keras 2 (``tf_keras``, TF <=
-2.15) it raises ``ImportError``: the layer exists for Keras 3 only so far.
+Both are the active Keras' (as ``tf.keras`` resolves: Keras 3, or Keras 2's
+``tf_keras`` / TF <= 2.15's ``keras``), resolved on first use: importing
+this module imports no Keras. The implementations:
+:mod:`~accum_optimizer.layers._keras3` and :mod:`~accum_optimizer.layers._keras2`
+(one class per Keras 2 package); :mod:`~accum_optimizer.layers._link` ties
+a layer to its optimizer.
 """
 
 from __future__ import annotations
 
-import keras
-
-from accum_optimizer._packages import major
-
-if major(keras) < 3:
-    raise ImportError(
-        "accum_optimizer.layers needs Keras 3 (`import keras` is Keras 3.x): its BatchNormalization is "
-        "written for Keras 3 only so far; under Keras 2 (tf_keras, TF <= 2.15) keep "
-        "tf.keras.layers.BatchNormalization (moving statistics per micro-batch)."
-    )
-
-from accum_optimizer.layers._keras3 import BatchNormalization, convert_batch_norm  # noqa: E402
+import functools
+from typing import Any
 
 __all__ = ["BatchNormalization", "convert_batch_norm"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from accum_optimizer._packages import active_keras
+
+    kind, package = active_keras()
+    if kind == "keras3":
+        from accum_optimizer.layers import _keras3
+
+        return getattr(_keras3, name)
+    from accum_optimizer.layers import _keras2
+
+    if name == "BatchNormalization":
+        return _keras2.batch_normalization_class(package)
+    return functools.partial(_keras2.convert_batch_norm, package=package)

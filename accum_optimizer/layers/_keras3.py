@@ -4,44 +4,20 @@ The layer pools each micro-batch's moments (:mod:`accum_optimizer.core.moments`)
 in three saved variables; the ``AccumulatingOptimizer`` that trains it calls
 :meth:`BatchNormalization.end_window` whenever one of its windows ends (an
 update, a discarded window, ``flush()``: ``WindowState.followers``), and the
-moving statistics take one momentum step there.
-
-How a layer finds its optimizer: when an accumulating wrapper builds (its
-first step, in ``fit`` or a custom loop), :func:`follow` links every
-pooling layer whose trainable weights are in its ``var_list``. The layer's
-training forward pass decides between pooling and the parent's own update
-at run time, on a flag the link sets (the forward pass of a custom loop's
-first step is traced before the optimizer builds); once a live link is
-known when the step is traced (``fit`` builds its optimizer first), only
-the pooling branch is traced.
+moving statistics take one momentum step there. How the layer finds that
+optimizer: :mod:`accum_optimizer.layers._link`.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import keras
 from keras import ops
 
 from accum_optimizer._compat import keras3 as compat
 from accum_optimizer.core import moments
-
-_POOLING_LAYERS: "weakref.WeakSet[BatchNormalization]" = weakref.WeakSet()
-
-
-class _Link:
-    """What ties a layer to its optimizer, kept off Keras' tracking (so not
-    saved): the optimizer (weakly) and the run-time flag."""
-
-    def __init__(self) -> None:
-        self.optimizer: Callable[[], Any] | None = None
-        self.pooling: Any = None  # int32 scalar variable, 1 while linked
-        # Eagerly, a custom loop's first forward pass runs before its
-        # optimizer builds: the moving statistics before it (undone by the
-        # link, which keeps that micro-batch in the pool).
-        self.undo: tuple | None = None
-
+from accum_optimizer.layers import _link
 
 @keras.saving.register_keras_serializable(package="accum_optimizer")
 class BatchNormalization(keras.layers.BatchNormalization):
@@ -88,7 +64,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 "keras.layers.BatchNormalization(renorm=True), which does not depend on the "
                 "micro-batch's statistics as much, or GroupNormalization/LayerNormalization."
             )
-        self._window_link = _Link()
+        self._window_link = _link.Link(keras.backend.backend())
 
     def build(self, input_shape: Sequence[Any]) -> None:
         super().build(input_shape)
@@ -107,29 +83,18 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if keras.backend.backend() == "tensorflow":
             # Held by the untracked link: not a weight, not saved.
             self._window_link.pooling = keras.Variable(0, dtype="int32", trainable=False, name="pooling")
-        _POOLING_LAYERS.add(self)
+        _link.register(self)
 
     # ---------------------------------------------------------------- forward
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         parent_call = super().call
-        link = self._window_link
-        if not (training and self.trainable) or link.pooling is None:
+        if not (training and self.trainable) or self._window_link.pooling is None:
             return parent_call(inputs, training=training, mask=mask)
-        owner = link.optimizer() if link.optimizer is not None else None
-        if owner is not None:
-            return self._pooling_call(inputs, mask)
-        if link.optimizer is not None:  # its optimizer is gone: the parent's update from now on
-            _set_flag(self, 0)
-            link.optimizer = None
-            return parent_call(inputs, training=training, mask=mask)
-        if _executing_eagerly():
-            return self._unlinked_eager_call(inputs, mask)
-        # Not linked yet when traced (a custom loop's first step): decided
-        # when it runs, by the flag the optimizer's build sets.
-        return ops.cond(
-            ops.greater(link.pooling, 0),
+        return _link.forward(
+            self._window_link,
             lambda: self._pooling_call(inputs, mask),
             lambda: parent_call(inputs, training=training, mask=mask),
+            lambda: self._unlinked_eager_call(inputs, mask),
         )
 
     def _pooling_call(self, inputs: Any, mask: Any) -> Any:
@@ -196,75 +161,6 @@ class BatchNormalization(keras.layers.BatchNormalization):
             self.window_mean.assign(ops.zeros_like(self.window_mean.value)),
             self.window_variance.assign(ops.zeros_like(self.window_variance.value)),
         ]
-
-
-def _executing_eagerly() -> bool:
-    import tensorflow as tf  # the link exists on the TensorFlow backend only
-
-    return tf.executing_eagerly()
-
-
-def _set_flag(layer: BatchNormalization, value: int) -> None:
-    """Set the run-time flag now, also while a step is being traced (the
-    optimizer builds inside the first step's trace)."""
-    import tensorflow as tf  # the flag exists on the TensorFlow backend only
-
-    with tf.init_scope():
-        layer._window_link.pooling.assign(value)
-
-
-def follow(optimizer: Any, var_list: Sequence[Any]) -> list:
-    """Link the pooling layers whose trainable weights are among
-    ``var_list`` to ``optimizer`` (an accumulating wrapper being built);
-    return their :meth:`~BatchNormalization.end_window` methods, for the
-    optimizer's ``WindowState.followers``.
-
-    Raises:
-        ValueError: a layer already follows another live accumulating optimizer.
-        NotImplementedError: a layer would follow it on JAX or torch, or under a
-            strategy with more than one replica.
-    """
-    ids = {id(v) for v in var_list}
-    layers = [layer for layer in list(_POOLING_LAYERS)
-              if any(id(w) in ids for w in layer.trainable_weights)]
-    if not layers:
-        return []
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise NotImplementedError(
-            f"accum_optimizer.layers.BatchNormalization follows the window of an AccumulatingOptimizer "
-            f"on the TensorFlow backend only (this is {backend!r}); here use keras.layers.BatchNormalization "
-            f"(moving statistics per micro-batch), or GroupNormalization/LayerNormalization."
-        )
-    import tensorflow as tf
-
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1:
-        raise NotImplementedError(
-            f"accum_optimizer.layers.BatchNormalization does not pool across replicas yet: the optimizer is "
-            f"built under a distribution strategy with {replicas} replicas. Train on one device, or use "
-            f"keras.layers.BatchNormalization(synchronized=True) (moving statistics per micro-batch, "
-            f"pooled over replicas)."
-        )
-    for layer in layers:
-        current = layer._window_link.optimizer() if layer._window_link.optimizer is not None else None
-        if current is not None and current is not optimizer:
-            raise ValueError(
-                f"BatchNormalization layer {layer.name!r} already follows the windows of "
-                f"{current.name!r}; a second accumulating optimizer ({optimizer.name!r}) trains it too. "
-                f"A layer's moving statistics can follow one optimizer's windows: train it with one "
-                f"AccumulatingOptimizer (delete the other), or keep it out of one of the var_lists."
-            )
-    for layer in layers:
-        link = layer._window_link
-        link.optimizer = weakref.ref(optimizer)
-        _set_flag(layer, 1)
-        if link.undo is not None:  # its first micro-batch ran eagerly, unlinked: pooled, not applied
-            with tf.init_scope():
-                layer.moving_mean.assign(link.undo[0])
-                layer.moving_variance.assign(link.undo[1])
-            link.undo = None
-    return [layer.end_window for layer in layers]
 
 
 def convert_batch_norm(model: Any) -> Any:

@@ -1,0 +1,228 @@
+"""Keras 2's ``BatchNormalization`` (``tf_keras``, TF <= 2.15's ``keras``)
+with moving statistics pooled per window.
+
+The same layer as :mod:`accum_optimizer.layers._keras3` for a Keras 2
+package: one class per package (:func:`batch_normalization_class`),
+registered with that package's serialization. Keras 2's layer computes and
+applies its moving-statistics update inside ``call`` through
+``add_update`` (its fused path even averages inside the fused op); while
+pooling, the layer holds those updates back (``add_update`` is public
+``Layer`` API) and pools the micro-batch's moments, computed with
+``tf.nn.moments``/``tf.nn.weighted_moments`` as the parent's unfused path
+does. Where the parent's fused path moves the moving variance with the
+unbiased batch variance (Bessel's ``n / (n - 1)``), the window's pooled
+variance gets the same correction, ``n`` the window's count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from accum_optimizer._compat import keras2 as compat
+from accum_optimizer.core import moments
+from accum_optimizer.layers import _link
+
+_classes: dict[str, type] = {}
+
+_DOC = """``BatchNormalization`` of this Keras 2 package whose moving statistics
+move once per accumulation window, by the window's pooled statistics.
+
+Same arguments, normalisation and serialization as the package's
+``layers.BatchNormalization``; ``renorm=True`` and ``virtual_batch_size``
+are refused. Pools, saves and follows its optimizer's window exactly as
+``accum_optimizer.layers.BatchNormalization`` of Keras 3 does (see
+``docs/batchnorm.md``): ``window_count`` (float32 scalar), ``window_mean``
+and ``window_variance`` (float32, the moving statistics' shape);
+:meth:`end_window` is called by the optimizer.
+
+Raises:
+    ValueError: ``renorm=True`` or a ``virtual_batch_size``; or, when an
+        optimizer links it, the layer already follows another live
+        accumulating optimizer.
+    NotImplementedError: an accumulating optimizer under a distribution
+        strategy with more than one replica links it.
+"""
+
+
+def batch_normalization_class(package: Any) -> type:
+    """The pooling ``BatchNormalization`` for ``package`` (``tf_keras`` or
+    Keras 2.x ``keras``), registered as ``accum_optimizer>BatchNormalization``."""
+    cls = _classes.get(package.__name__)
+    if cls is None:
+        cls = _make(package)
+        register = package.utils.register_keras_serializable(package="accum_optimizer", name="BatchNormalization")
+        cls = _classes[package.__name__] = register(cls)
+    return cls
+
+
+def _make(package: Any) -> type:
+    base = package.layers.BatchNormalization
+
+    class BatchNormalization(base):
+        __doc__ = _DOC
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            refused = {"renorm": self.renorm} if self.renorm else (
+                {"virtual_batch_size": self.virtual_batch_size} if self.virtual_batch_size is not None else {})
+            if refused:
+                (name, value), = refused.items()
+                raise ValueError(
+                    f"accum_optimizer.layers.BatchNormalization does not support {name} (received "
+                    f"{name}={value!r}): it keeps its own per-batch statistics. Use "
+                    f"{package.__name__}.layers.BatchNormalization({name}=...), or "
+                    f"GroupNormalization/LayerNormalization."
+                )
+            self._window_link = _link.Link("tensorflow")
+            self._holding_updates = False
+
+        def build(self, input_shape: Any) -> None:
+            super().build(input_shape)
+            shape = self.moving_mean.shape
+            for name, variable_shape in (("window_count", ()), ("window_mean", shape), ("window_variance", shape)):
+                setattr(self, name, self.add_weight(
+                    name=name, shape=variable_shape, dtype=tf.float32, initializer="zeros", trainable=False,
+                    experimental_autocast=False,
+                ))
+            # Held by the untracked link: not a weight, not saved.
+            self._window_link.pooling = tf.Variable(0, dtype=tf.int32, trainable=False, name="pooling")
+            _link.register(self)
+
+        # ------------------------------------------------------------ forward
+        def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
+            parent_call = super().call
+            if training is not True or not self.trainable:
+                return parent_call(inputs, training=training, mask=mask)
+            return _link.forward(
+                self._window_link,
+                lambda: self._pooling_call(inputs, mask, parent_call),
+                lambda: parent_call(inputs, training=True, mask=mask),
+                lambda: self._unlinked_eager_call(inputs, mask, parent_call),
+            )
+
+        def add_update(self, updates: Any) -> None:
+            if self._holding_updates:  # pooling: the moving statistics move when the window ends
+                return
+            super().add_update(updates)
+
+        def _pooling_call(self, inputs: Any, mask: Any, parent_call: Any) -> Any:
+            self._pool_micro_batch(inputs, mask)
+            self._holding_updates = True
+            try:
+                return parent_call(inputs, training=True, mask=mask)
+            finally:
+                self._holding_updates = False
+
+        def _unlinked_eager_call(self, inputs: Any, mask: Any, parent_call: Any) -> Any:
+            """The parent's step, run eagerly before any link: the pool holds
+            only this micro-batch, and what the moving statistics were is
+            kept for a link that comes next (:func:`_link.follow`)."""
+            self._window_link.undo = (self.moving_mean.numpy().copy(), self.moving_variance.numpy().copy())
+            self.window_count.assign(tf.zeros_like(self.window_count))
+            self._pool_micro_batch(inputs, mask)
+            return parent_call(inputs, training=True, mask=mask)
+
+        def _pool_micro_batch(self, inputs: Any, mask: Any) -> None:
+            x = tf.cast(inputs, tf.float32)
+            axes = [i for i in range(x.shape.rank) if i not in self.axis]
+            if mask is None:
+                mean, variance = tf.nn.moments(x, axes, keepdims=True)
+                count = tf.cast(tf.size(x), tf.float32) / tf.cast(tf.size(mean), tf.float32)
+            else:
+                weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.float32), tf.shape(x))
+                mean, variance = tf.nn.weighted_moments(x, axes, weights, keepdims=True)
+                count = tf.reduce_sum(weights) / tf.cast(tf.size(mean), tf.float32)
+            shape = self.moving_mean.shape
+            pool = moments.merge(
+                tf, self._pool(), count, tf.reshape(mean, shape), tf.reshape(variance, shape)
+            )
+            self.window_count.assign(pool.count)
+            self.window_mean.assign(pool.mean)
+            self.window_variance.assign(pool.variance)
+
+        # -------------------------------------------------------- the window
+        def _pool(self) -> moments.Pool:
+            return moments.Pool(
+                tf.convert_to_tensor(self.window_count), tf.convert_to_tensor(self.window_mean),
+                tf.convert_to_tensor(self.window_variance),
+            )
+
+        def end_window(self) -> list:
+            """One momentum step of the moving statistics with the window's
+            pool (none if it pooled nothing), then an empty pool. Called by
+            the optimizer that trains the layer whenever its window ends."""
+            pool = self._pool()
+            if compat.fused_variance_is_unbiased(self, package):
+                # The fused op's unbiased variance, over the window's count.
+                pool = moments.Pool(
+                    pool.count, pool.mean, pool.variance * (pool.count / tf.maximum(pool.count - 1.0, 1.0))
+                )
+            moving_mean, moving_variance = moments.moving_step(
+                tf, tf.convert_to_tensor(self.moving_mean), tf.convert_to_tensor(self.moving_variance), pool,
+                self.momentum,
+            )
+            return [
+                self.moving_mean.assign(moving_mean),
+                self.moving_variance.assign(moving_variance),
+                self.window_count.assign(tf.zeros_like(self.window_count)),
+                self.window_mean.assign(tf.zeros_like(self.window_mean)),
+                self.window_variance.assign(tf.zeros_like(self.window_variance)),
+            ]
+
+    BatchNormalization.__module__ = __name__
+    return BatchNormalization
+
+
+def convert_batch_norm(model: Any, package: Any) -> Any:
+    """A copy of the Keras 2 Sequential or Functional ``model`` with every
+    ``BatchNormalization`` replaced by the pooling one, weights copied.
+
+    Raises:
+        TypeError: a subclassed model.
+        ValueError: a nested model holds a ``BatchNormalization`` (Keras 2's
+            ``clone_model`` does not reach into it: convert it first).
+    """
+    cls = batch_normalization_class(package)
+    subclassed = TypeError(
+        f"convert_batch_norm takes a {package.__name__} Sequential or Functional model; received "
+        f"{type(model).__name__}. For a subclassed model, create its layers with "
+        f"accum_optimizer.layers.BatchNormalization in place of {package.__name__}.layers.BatchNormalization."
+    )
+    if not isinstance(model, package.Model):
+        raise subclassed
+    for layer in model.layers:
+        if isinstance(layer, package.Model) and any(
+            isinstance(inner, package.layers.BatchNormalization) for inner in _all_layers(layer)
+        ):
+            raise ValueError(
+                f"convert_batch_norm: the nested model {layer.name!r} of {model.name!r} holds a "
+                f"BatchNormalization, which Keras 2's clone_model does not reach; convert the nested model "
+                f"first (convert_batch_norm(nested)) and build {model.name!r} with the converted copy."
+            )
+
+    def clone(layer: Any) -> Any:
+        if isinstance(layer, package.layers.BatchNormalization) and not isinstance(layer, cls):
+            return cls.from_config(layer.get_config())
+        return layer.__class__.from_config(layer.get_config())
+
+    try:
+        converted = package.models.clone_model(model, clone_function=clone)
+    except ValueError as e:  # Keras 2: "... only supported for Sequential models or Functional models"
+        if "Functional" not in str(e):
+            raise
+        raise subclassed from e
+    for old, new in zip(model.layers, converted.layers, strict=True):
+        weights = old.get_weights()
+        new.set_weights(weights + new.get_weights()[len(weights):])
+    return converted
+
+
+def _all_layers(model: Any) -> Sequence[Any]:
+    found = []
+    for layer in model.layers:
+        found.append(layer)
+        if hasattr(layer, "layers"):
+            found.extend(_all_layers(layer))
+    return found

@@ -1,0 +1,150 @@
+"""How a pooling layer finds the optimizer whose windows it follows (every Keras).
+
+When an accumulating wrapper builds (its first step, in ``fit`` or a custom
+loop), :func:`follow` links every pooling layer whose trainable weights are
+in its ``var_list``, and returns their ``end_window`` methods for the
+wrapper's ``WindowState.followers``. A layer's training forward pass decides
+between pooling and its parent's own update on a run-time flag the link
+sets: a custom loop's first forward pass is traced before its optimizer
+builds. Where the link is known when the step is traced (``fit`` builds its
+optimizer first), the layer traces the pooling branch alone.
+
+Eagerly, a custom loop's first forward pass even *runs* before the
+optimizer builds: the layer then takes its parent's update, keeping what the
+moving statistics were (:attr:`Link.undo`) and that micro-batch in its pool;
+the link puts them back.
+
+Nothing here imports a framework until a link is made (TensorFlow then: the
+layers pool on the TensorFlow backend only).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+_POOLING_LAYERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class Link:
+    """What ties a layer to its optimizer, kept off Keras' tracking (so not
+    saved).
+
+    Attributes:
+        optimizer: a weak reference to the optimizer, or ``None``.
+        pooling: int32 scalar variable, 1 while linked (``None`` where the
+            layer cannot pool: a backend other than TensorFlow).
+        backend: the Keras backend the layer runs on (for messages).
+        undo: the moving statistics ``(mean, variance)`` (NumPy copies) from
+            before an eager, unlinked forward pass, or ``None``.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.optimizer: Any = None
+        self.pooling: Any = None
+        self.backend = backend
+        self.undo: tuple | None = None
+
+    def owner(self) -> Any:
+        """The linked optimizer, if it is alive."""
+        return self.optimizer() if self.optimizer is not None else None
+
+    def lost(self) -> bool:
+        """Was it linked to an optimizer that is gone?"""
+        return self.optimizer is not None and self.optimizer() is None
+
+
+def register(layer: Any) -> None:
+    """A built pooling layer (``layer._window_link``: its :class:`Link`;
+    ``layer.moving_mean``/``moving_variance``; ``layer.end_window()``)."""
+    _POOLING_LAYERS.add(layer)
+
+
+def executing_eagerly() -> bool:
+    import tensorflow as tf
+
+    return tf.executing_eagerly()
+
+
+def set_flag(link: Link, value: int) -> None:
+    """Set the run-time flag now, also while a step is being traced (the
+    optimizer builds inside the first step's trace)."""
+    import tensorflow as tf
+
+    with tf.init_scope():
+        link.pooling.assign(value)
+
+
+def forward(link: Link, pooled: Any, parent: Any, eager_unlinked: Any) -> Any:
+    """A pooling layer's training forward pass (TensorFlow): ``pooled()``
+    while linked; ``parent()`` once its optimizer is gone (the link is
+    dropped); when not linked yet, ``eager_unlinked()`` eagerly, else a
+    ``tf.cond`` on the flag between ``pooled`` and ``parent``."""
+    if link.owner() is not None:
+        return pooled()
+    if link.lost():
+        set_flag(link, 0)
+        link.optimizer = None
+        return parent()
+    if executing_eagerly():
+        return eager_unlinked()
+    import tensorflow as tf
+
+    return tf.cond(tf.greater(link.pooling, 0), pooled, parent)
+
+
+def _name(optimizer: Any) -> str:
+    return str(getattr(optimizer, "name", None) or type(optimizer).__name__)
+
+
+def follow(optimizer: Any, var_list: Sequence[Any]) -> list:
+    """Link the pooling layers whose trainable weights are among
+    ``var_list`` to ``optimizer`` (an accumulating wrapper being built);
+    return their ``end_window`` methods.
+
+    Raises:
+        ValueError: a layer already follows another live accumulating optimizer.
+        NotImplementedError: a layer would follow it on a backend other than
+            TensorFlow, or under a strategy with more than one replica.
+    """
+    ids = {id(v) for v in var_list}
+    layers = [layer for layer in list(_POOLING_LAYERS) if any(id(w) in ids for w in layer.trainable_weights)]
+    if not layers:
+        return []
+    for layer in layers:
+        if layer._window_link.pooling is None:
+            raise NotImplementedError(
+                f"accum_optimizer.layers.BatchNormalization follows the window of an AccumulatingOptimizer "
+                f"on the TensorFlow backend only (this is {layer._window_link.backend!r}); here use "
+                f"keras.layers.BatchNormalization (moving statistics per micro-batch), or "
+                f"GroupNormalization/LayerNormalization."
+            )
+    import tensorflow as tf
+
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        raise NotImplementedError(
+            f"accum_optimizer.layers.BatchNormalization does not pool across replicas yet: the optimizer is "
+            f"built under a distribution strategy with {replicas} replicas. Train on one device, or use "
+            f"Keras' BatchNormalization(synchronized=True) (moving statistics per micro-batch, pooled over "
+            f"replicas)."
+        )
+    for layer in layers:
+        current = layer._window_link.owner()
+        if current is not None and current is not optimizer:
+            raise ValueError(
+                f"BatchNormalization layer {layer.name!r} already follows the windows of "
+                f"{_name(current)!r}; a second accumulating optimizer ({_name(optimizer)!r}) trains it too. "
+                f"A layer's moving statistics can follow one optimizer's windows: train it with one "
+                f"AccumulatingOptimizer (delete the other), or keep it out of one of the var_lists."
+            )
+    for layer in layers:
+        link = layer._window_link
+        link.optimizer = weakref.ref(optimizer)
+        set_flag(link, 1)
+        if link.undo is not None:  # its first micro-batch ran eagerly, unlinked: pooled, not applied
+            with tf.init_scope():
+                layer.moving_mean.assign(link.undo[0])
+                layer.moving_variance.assign(link.undo[1])
+            link.undo = None
+    return [layer.end_window for layer in layers]
