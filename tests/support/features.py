@@ -140,6 +140,14 @@ FEATURES = [
         "legacy": "legacy/test_graph_mode.py::test_train_op_in_a_v1_graph_trains_like_the_plain_optimizer",
         "tf1": "tf1/test_semantics.py::test_window_phase_by_hand",
     }),
+    Feature("BatchNorm's moving statistics once per window, equal to the large batch's "
+            "(`accum_optimizer.layers.BatchNormalization`)", {
+        "keras3": "contract/test_batch_norm.py::test_moving_statistics_equal_the_large_batch_after_every_window",
+        "keras2": "contract/test_batch_norm.py::test_moving_statistics_equal_the_large_batch_after_every_window",
+        "legacy": "contract/test_batch_norm.py::test_moving_statistics_equal_the_large_batch_after_every_window",
+        "tf1": NA("TF1 graph code has no Keras BatchNormalization layer of its own (`tf.compat.v1.layers` "
+                  "batch normalization updates through UPDATE_OPS, outside the optimizer)"),
+    }),
     Feature("checkpoints saved by earlier versions resume bitwise", {
         "keras3": "contract/test_saved_checkpoints.py::test_resumes_saved_checkpoint_bitwise",
         "keras2": "contract/test_saved_checkpoints.py::test_resumes_saved_checkpoint_bitwise",
