@@ -65,6 +65,20 @@ def merge(xp: Any, pool: Pool, count: Any, mean: Any, variance: Any) -> Pool:
     )
 
 
+def merge_parts(xp: Any, reduce_sum: Any, count: Any, mean: Any, variance: Any) -> Pool:
+    """The moments of the union of several parts (the replicas of a
+    distribution strategy, each holding ``count``, ``mean``, ``variance``),
+    through ``reduce_sum`` (a sum over the parts: an all-reduce), Chan's
+    merge for k parts: ``n = Σ n_r``, ``μ = Σ f_r·μ_r``, ``v = Σ f_r·(v_r +
+    (μ_r - μ)²)`` with ``f_r = n_r / n``. Three sums; every term of the
+    variance is non-negative."""
+    total = reduce_sum(count)
+    share = count / xp.maximum(total, 1.0)
+    pooled_mean = reduce_sum(share * mean)
+    delta = mean - pooled_mean
+    return Pool(total, pooled_mean, reduce_sum(share * (variance + delta * delta)))
+
+
 def moving_step(xp: Any, moving_mean: Any, moving_variance: Any, pool: Pool, momentum: float) -> tuple:
     """The moving statistics after a window: one momentum step with the
     pool, exactly the expression of Keras' ``BatchNormalization`` for one

@@ -40,9 +40,8 @@ and ``window_variance`` (float32, the moving statistics' shape);
 Raises:
     ValueError: ``renorm=True`` or a ``virtual_batch_size``; or, when an
         optimizer links it, the layer already follows another live
-        accumulating optimizer.
-    NotImplementedError: an accumulating optimizer under a distribution
-        strategy with more than one replica links it.
+        accumulating optimizer, or (under a multi-replica strategy) a step
+        was traced before the optimizer was built: build it first.
 """
 
 
@@ -85,6 +84,7 @@ def _make(package: Any) -> type:
                 setattr(self, name, self.add_weight(
                     name=name, shape=variable_shape, dtype=tf.float32, initializer="zeros", trainable=False,
                     experimental_autocast=False,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # every replica pools the global micro-batch
                 ))
             # Held by the untracked link: not a weight, not saved.
             self._window_link.pooling = tf.Variable(0, dtype=tf.int32, trainable=False, name="pooling")
@@ -97,9 +97,10 @@ def _make(package: Any) -> type:
                 return parent_call(inputs, training=training, mask=mask)
             return _link.forward(
                 self._window_link,
-                lambda: self._pooling_call(inputs, mask, parent_call),
+                lambda pooled: self._pooling_call(inputs, mask, parent_call, pooled),
                 lambda: parent_call(inputs, training=True, mask=mask),
                 lambda: self._unlinked_eager_call(inputs, mask, parent_call),
+                lambda: self._micro_batch_moments(inputs, mask),
             )
 
         def add_update(self, updates: Any) -> None:
@@ -107,8 +108,8 @@ def _make(package: Any) -> type:
                 return
             super().add_update(updates)
 
-        def _pooling_call(self, inputs: Any, mask: Any, parent_call: Any) -> Any:
-            self._pool_micro_batch(inputs, mask)
+        def _pooling_call(self, inputs: Any, mask: Any, parent_call: Any, pooled: tuple) -> Any:
+            self._add_to_pool(pooled)
             self._holding_updates = True
             try:
                 return parent_call(inputs, training=True, mask=mask)
@@ -121,10 +122,12 @@ def _make(package: Any) -> type:
             kept for a link that comes next (:func:`_link.follow`)."""
             self._window_link.undo = (self.moving_mean.numpy().copy(), self.moving_variance.numpy().copy())
             self.window_count.assign(tf.zeros_like(self.window_count))
-            self._pool_micro_batch(inputs, mask)
+            self._add_to_pool(self._micro_batch_moments(inputs, mask))
             return parent_call(inputs, training=True, mask=mask)
 
-        def _pool_micro_batch(self, inputs: Any, mask: Any) -> None:
+        def _micro_batch_moments(self, inputs: Any, mask: Any) -> tuple:
+            """What the micro-batch adds to the pool: its ``(count, mean,
+            variance)`` over every replica (the unfused path's moments)."""
             x = tf.cast(inputs, tf.float32)
             axes = [i for i in range(x.shape.rank) if i not in self.axis]
             if mask is None:
@@ -135,9 +138,10 @@ def _make(package: Any) -> type:
                 mean, variance = tf.nn.weighted_moments(x, axes, weights, keepdims=True)
                 count = tf.reduce_sum(weights) / tf.cast(tf.size(mean), tf.float32)
             shape = self.moving_mean.shape
-            pool = moments.merge(
-                tf, self._pool(), count, tf.reshape(mean, shape), tf.reshape(variance, shape)
-            )
+            return _link.across_replicas(count, tf.reshape(mean, shape), tf.reshape(variance, shape))
+
+        def _add_to_pool(self, micro_batch: tuple) -> None:
+            pool = moments.merge(tf, self._pool(), *micro_batch)
             self.window_count.assign(pool.count)
             self.window_mean.assign(pool.mean)
             self.window_variance.assign(pool.variance)

@@ -49,10 +49,11 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     Raises:
         ValueError: ``renorm=True``; or, when an optimizer links it, the
-            layer already follows another live accumulating optimizer.
-        NotImplementedError: an accumulating optimizer on JAX or torch, or
-            under a distribution strategy with more than one replica, links
-            it.
+            layer already follows another live accumulating optimizer, or
+            (under a multi-replica strategy) a step was traced before the
+            optimizer was built: build it first.
+        NotImplementedError: an accumulating optimizer on JAX or torch
+            links it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -70,15 +71,16 @@ class BatchNormalization(keras.layers.BatchNormalization):
         super().build(input_shape)
         channels = (input_shape[self.axis],)
         self.window_count = self.add_weight(
-            shape=(), name="window_count", initializer="zeros", dtype="float32", trainable=False, autocast=False
+            shape=(), name="window_count", initializer="zeros", dtype="float32", trainable=False, autocast=False,
+            aggregation="only_first_replica",  # every replica pools the same (global) micro-batch
         )
         self.window_mean = self.add_weight(
             shape=channels, name="window_mean", initializer="zeros", dtype="float32", trainable=False,
-            autocast=False,
+            autocast=False, aggregation="only_first_replica",
         )
         self.window_variance = self.add_weight(
             shape=channels, name="window_variance", initializer="zeros", dtype="float32", trainable=False,
-            autocast=False,
+            autocast=False, aggregation="only_first_replica",
         )
         if keras.backend.backend() == "tensorflow":
             # Held by the untracked link: not a weight, not saved.
@@ -88,22 +90,22 @@ class BatchNormalization(keras.layers.BatchNormalization):
     # ---------------------------------------------------------------- forward
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         parent_call = super().call
-        if not (training and self.trainable) or self._window_link.pooling is None:
+        if (not (training and self.trainable) or self._window_link.pooling is None
+                or (mask is not None and len(mask.shape) != len(inputs.shape) - 1)):  # (the parent's error)
             return parent_call(inputs, training=training, mask=mask)
+        inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
         return _link.forward(
             self._window_link,
-            lambda: self._pooling_call(inputs, mask),
+            lambda m: self._pooling_call(inputs, m),
             lambda: parent_call(inputs, training=training, mask=mask),
             lambda: self._unlinked_eager_call(inputs, mask),
+            lambda: self._micro_batch_moments(inputs, mask),
         )
 
-    def _pooling_call(self, inputs: Any, mask: Any) -> Any:
-        """The parent's training forward pass (normalised by the
-        micro-batch's own moments), pooling the moments in place of the
-        moving-statistics update."""
-        if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
-            return super().call(inputs, training=True, mask=mask)  # the parent's error
-        inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
+    def _micro_batch_moments(self, inputs: Any, mask: Any) -> tuple:
+        """The micro-batch's ``(mean, variance)`` as the parent normalises
+        by them, and what it adds to the pool: its ``(count, mean,
+        variance)`` over every replica."""
         mean, variance = compat.batch_norm_moments(self, inputs, mask)
         if mask is None:
             count = ops.cast(ops.size(inputs), "float32") / float(inputs.shape[self.axis])
@@ -111,9 +113,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
             count = ops.sum(ops.cast(mask, "float32")) * (
                 ops.cast(ops.size(inputs), "float32") / ops.cast(ops.size(mask), "float32")
             ) / float(inputs.shape[self.axis])
-        pool = moments.merge(
-            ops, self._pool(), count, ops.cast(mean, "float32"), ops.cast(variance, "float32")
-        )
+        pooled = _link.across_replicas(count, ops.cast(mean, "float32"), ops.cast(variance, "float32"))
+        return mean, variance, pooled
+
+    def _pooling_call(self, inputs: Any, micro_batch: tuple) -> Any:
+        """The parent's training forward pass (normalised by the
+        micro-batch's own moments), pooling the moments in place of the
+        moving-statistics update."""
+        mean, variance, pooled = micro_batch
+        pool = moments.merge(ops, self._pool(), *pooled)
         self.window_count.assign(pool.count)
         self.window_mean.assign(pool.mean)
         self.window_variance.assign(pool.variance)
@@ -134,7 +142,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         self._window_link.undo = (  # copies (an eager read may share the variable's buffer)
             ops.convert_to_numpy(self.moving_mean).copy(), ops.convert_to_numpy(self.moving_variance).copy()
         )
-        outputs = self._pooling_call(inputs, mask)
+        outputs = self._pooling_call(inputs, self._micro_batch_moments(inputs, mask))
         moving_mean, moving_variance = moments.moving_step(
             ops, self.moving_mean.value, self.moving_variance.value, self._pool(), self.momentum
         )

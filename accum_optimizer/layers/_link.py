@@ -23,6 +23,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Sequence
 
+from accum_optimizer.core import moments
+
 _POOLING_LAYERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -37,6 +39,9 @@ class Link:
         backend: the Keras backend the layer runs on (for messages).
         undo: the moving statistics ``(mean, variance)`` (NumPy copies) from
             before an eager, unlinked forward pass, or ``None``.
+        traced_unlinked: a step was traced with the parent's update because
+            no optimizer had linked the layer yet, under a strategy with more
+            than one replica.
     """
 
     def __init__(self, backend: str) -> None:
@@ -44,6 +49,7 @@ class Link:
         self.pooling: Any = None
         self.backend = backend
         self.undo: tuple | None = None
+        self.traced_unlinked = False
 
     def owner(self) -> Any:
         """The linked optimizer, if it is alive."""
@@ -75,13 +81,15 @@ def set_flag(link: Link, value: int) -> None:
         link.pooling.assign(value)
 
 
-def forward(link: Link, pooled: Any, parent: Any, eager_unlinked: Any) -> Any:
-    """A pooling layer's training forward pass (TensorFlow): ``pooled()``
-    while linked; ``parent()`` once its optimizer is gone (the link is
-    dropped); when not linked yet, ``eager_unlinked()`` eagerly, else a
-    ``tf.cond`` on the flag between ``pooled`` and ``parent``."""
+def forward(link: Link, pooled: Any, parent: Any, eager_unlinked: Any, prepare: Any) -> Any:
+    """A pooling layer's training forward pass (TensorFlow):
+    ``pooled(prepare())`` while linked; ``parent()`` once its optimizer is
+    gone (the link is dropped); when not linked yet, ``eager_unlinked()``
+    eagerly, else a ``tf.cond`` on the flag between the two. ``prepare``
+    (the micro-batch's moments, all-reduced under a strategy) runs outside
+    the ``cond``: a synchronisation point may not sit in a branch."""
     if link.owner() is not None:
-        return pooled()
+        return pooled(prepare())
     if link.lost():
         set_flag(link, 0)
         link.optimizer = None
@@ -90,7 +98,28 @@ def forward(link: Link, pooled: Any, parent: Any, eager_unlinked: Any) -> Any:
         return eager_unlinked()
     import tensorflow as tf
 
-    return tf.cond(tf.greater(link.pooling, 0), pooled, parent)
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        # The pool's writes synchronise the replicas: not inside a `cond`.
+        # Traced before any link: the parent's step (a link made by this
+        # trace's own build refuses, see `follow`).
+        link.traced_unlinked = True
+        return parent()
+    prepared = prepare()
+    return tf.cond(tf.greater(link.pooling, 0), lambda: pooled(prepared), parent)
+
+
+def across_replicas(count: Any, mean: Any, variance: Any) -> tuple:
+    """A micro-batch's moments over every replica of the strategy (in its
+    replica context, with more than one replica: three all-reduces); else as
+    given. Every replica then pools the same micro-batch, the one of the
+    global batch, as a single device would."""
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return count, mean, variance
+    return tuple(moments.merge_parts(tf, lambda v: context.all_reduce("sum", v), count, mean, variance))
 
 
 def _name(optimizer: Any) -> str:
@@ -103,9 +132,10 @@ def follow(optimizer: Any, var_list: Sequence[Any]) -> list:
     return their ``end_window`` methods.
 
     Raises:
-        ValueError: a layer already follows another live accumulating optimizer.
+        ValueError: a layer already follows another live accumulating optimizer,
+            or a step was traced without the link under a multi-replica strategy.
         NotImplementedError: a layer would follow it on a backend other than
-            TensorFlow, or under a strategy with more than one replica.
+            TensorFlow.
     """
     ids = {id(v) for v in var_list}
     layers = [layer for layer in list(_POOLING_LAYERS) if any(id(w) in ids for w in layer.trainable_weights)]
@@ -121,15 +151,15 @@ def follow(optimizer: Any, var_list: Sequence[Any]) -> list:
             )
     import tensorflow as tf
 
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1:
-        raise NotImplementedError(
-            f"accum_optimizer.layers.BatchNormalization does not pool across replicas yet: the optimizer is "
-            f"built under a distribution strategy with {replicas} replicas. Train on one device, or use "
-            f"Keras' BatchNormalization(synchronized=True) (moving statistics per micro-batch, pooled over "
-            f"replicas)."
-        )
     for layer in layers:
+        if layer._window_link.traced_unlinked:
+            layer._window_link.traced_unlinked = False
+            raise ValueError(
+                f"BatchNormalization layer {layer.name!r} was traced under a distribution strategy with more "
+                f"than one replica before {_name(optimizer)!r} was built, so that step updates its moving "
+                f"statistics per micro-batch. Build the optimizer inside the strategy's scope before the "
+                f"first step: optimizer.build(model.trainable_variables) (model.fit does), then trace the step."
+            )
         current = layer._window_link.owner()
         if current is not None and current is not optimizer:
             raise ValueError(

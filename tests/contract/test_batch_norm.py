@@ -348,10 +348,61 @@ def test_one_layer_trained_by_two_accumulating_optimizers_is_refused(O):
         second.build(model.trainable_variables)
 
 
-def test_mirrored_strategy_is_refused_with_the_alternative(O):
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_mirrored_strategy_pools_over_replicas_like_the_single_device_large_batch(loop, O):
+    """Two replicas (logical CPUs), each micro-batch of B split between them:
+    after every window the moving statistics equal those of one device
+    trained on batches of N·B (the replicas' moments merged, then the
+    micro-steps')."""
+    reference = _dense()
+    x, y = _data(N * B * 2, (5,))
+    ref_step = _step(reference, O.SGD(0.1))
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
-        _, model = _pair(_dense)
+        model = convert_batch_norm(_dense())
         opt = AccumulatingOptimizer(O.SGD(0.1), N)
-        with pytest.raises(NotImplementedError, match="2 replicas.*synchronized=True"):
+        model.compile(opt, "mse")
+        if loop == "custom" or skip_reason("keras3") is not None:
+            # As Keras 3's fit does (Keras 2's builds inside the first step):
+            # the layers' link exists when the step is traced.
             opt.build(model.trainable_variables)
+    for w in range(2):
+        window = slice(w * N * B, (w + 1) * N * B)
+        ref_step(x[window], y[window])
+        if loop == "fit":
+            model.fit(x[window], y[window], batch_size=B, shuffle=False, verbose=0)
+        else:
+            @tf.function
+            def step(xb, yb):
+                def replica_step(xr, yr):
+                    with tf.GradientTape() as tape:
+                        per_example = tf.reduce_mean(tf.square(yr - model(xr, training=True)), axis=-1)
+                        loss = tf.nn.compute_average_loss(per_example, global_batch_size=B)
+                    grads = tape.gradient(loss, model.trainable_variables)
+                    opt.apply_gradients(zip(grads, model.trainable_variables))
+                strategy.run(replica_step, args=(xb, yb))
+
+            dataset = strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x[window], y[window])).batch(B))
+            for xb, yb in dataset:
+                step(xb, yb)
+        _assert_stats_close(_stats(model), _stats(reference))
+
+
+def test_a_multi_replica_step_traced_before_the_link_is_refused_at_build(O):
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = convert_batch_norm(_dense())
+        opt = AccumulatingOptimizer(O.SGD(0.1), N)
+
+    @tf.function
+    def step(xb, yb):
+        def replica_step(xr, yr):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(yr - model(xr, training=True)))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        strategy.run(replica_step, args=(xb, yb))
+
+    x, y = _data(B, (5,))
+    with pytest.raises(ValueError, match="before .* was built.*optimizer.build"):
+        step(tf.constant(x), tf.constant(y))
