@@ -197,6 +197,28 @@ def test_unequal_micro_batches_pool_by_their_sizes(O):
     _assert_stats_close(_stats(model), _stats(reference))
 
 
+def test_masked_micro_batches_pool_by_their_unmasked_counts(O):
+    """A sequence model with masked time steps (a different number in each
+    micro-batch): the pool counts the unmasked elements, as the large
+    batch's masked moments do."""
+    def make():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([
+            keras.Input((5, 3)), keras.layers.Masking(0.0), keras.layers.BatchNormalization(momentum=0.9),
+            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1),
+        ])
+
+    reference, model = _pair(make)
+    x, y = _data(N * B, (5, 3))
+    steps = np.arange(5)[None, :, None]
+    x = np.where(steps < np.random.default_rng(1).integers(1, 6, (N * B, 1, 1)), x, 0.0).astype("float32")
+    _step(reference, O.SGD(0.1))(x, y)
+    step = _step(model, AccumulatingOptimizer(O.SGD(0.1), N))
+    for k in range(N):
+        step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
 def test_a_flushed_partial_window_moves_them_by_what_it_holds(O):
     reference, model = _pair(_dense)
     x, y = _data(2 * B, (5,))
