@@ -172,7 +172,12 @@ class Accumulating(_args.Constructor):
         if self._accumulates:
             from accum_optimizer.layers import _link
 
-            self._set_untracked("_window_followers", _link.follow(self, variables))
+            self._set_untracked("_window_followers", _link.follow(
+                self, variables, eager_micro_step=self.__dict__.get("_eager_micro_step_build", False)))
+
+    def _executing_eagerly(self) -> bool:
+        """Does the current micro-step run eagerly (not traced)?"""
+        return False
 
     @property
     def _accumulates(self) -> bool:
@@ -286,7 +291,12 @@ class Accumulating(_args.Constructor):
         no_gradients(grads, variables, variable_name)
         self._before_micro_step(grads, variables)
         if not self._window_built():
-            self._build_on_first_use(variables)
+            # (the layers linked at this build know it is a micro-step's, and whether eager)
+            self._set_untracked("_eager_micro_step_build", self._executing_eagerly())
+            try:
+                self._build_on_first_use(variables)
+            finally:
+                self._set_untracked("_eager_micro_step_build", False)
         self._check_known(variables)
         if not self._accumulates:
             return self._step_result(self._pass_through(grads, variables, weight), name)

@@ -145,6 +145,9 @@ class Accumulating(_accumulating.Accumulating):
     def _step_result(self, parts: Any, name: str | None) -> Any:
         return step_op(parts, name)
 
+    def _executing_eagerly(self) -> bool:
+        return tf.executing_eagerly()
+
     def _build_on_first_use(self, variables: list) -> None:
         with tf.init_scope():
             self.build(variables)

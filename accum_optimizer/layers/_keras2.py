@@ -16,7 +16,7 @@ variance gets the same correction, ``n`` the window's count.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -96,11 +96,10 @@ def _make(package: Any) -> type:
             if training is not True or not self.trainable:
                 return parent_call(inputs, training=training, mask=mask)
             return _link.forward(
-                self._window_link,
-                lambda pooled: self._pooling_call(inputs, mask, parent_call, pooled),
+                self,
+                lambda prepared: self._pooling_call(inputs, mask, parent_call, prepared[0]),
                 lambda: parent_call(inputs, training=True, mask=mask),
-                lambda: self._unlinked_eager_call(inputs, mask, parent_call),
-                lambda: self._micro_batch_moments(inputs, mask),
+                lambda: (self._micro_batch_moments(inputs, mask),),
             )
 
         def add_update(self, updates: Any) -> None:
@@ -109,21 +108,12 @@ def _make(package: Any) -> type:
             super().add_update(updates)
 
         def _pooling_call(self, inputs: Any, mask: Any, parent_call: Any, pooled: tuple) -> Any:
-            self._add_to_pool(pooled)
+            self.add_to_pool(pooled)
             self._holding_updates = True
             try:
                 return parent_call(inputs, training=True, mask=mask)
             finally:
                 self._holding_updates = False
-
-        def _unlinked_eager_call(self, inputs: Any, mask: Any, parent_call: Any) -> Any:
-            """The parent's step, run eagerly before any link: the pool holds
-            only this micro-batch, and what the moving statistics were is
-            kept for a link that comes next (:func:`_link.follow`)."""
-            self._window_link.undo = (self.moving_mean.numpy().copy(), self.moving_variance.numpy().copy())
-            self.window_count.assign(tf.zeros_like(self.window_count))
-            self._add_to_pool(self._micro_batch_moments(inputs, mask))
-            return parent_call(inputs, training=True, mask=mask)
 
         def _micro_batch_moments(self, inputs: Any, mask: Any) -> tuple:
             """What the micro-batch adds to the pool: its ``(count, mean,
@@ -140,7 +130,8 @@ def _make(package: Any) -> type:
             shape = self.moving_mean.shape
             return _link.across_replicas(count, tf.reshape(mean, shape), tf.reshape(variance, shape))
 
-        def _add_to_pool(self, micro_batch: tuple) -> None:
+        def add_to_pool(self, micro_batch: tuple) -> None:
+            """Merge a micro-batch's ``(count, mean, variance)`` into the pool."""
             pool = moments.merge(tf, self._pool(), *micro_batch)
             self.window_count.assign(pool.count)
             self.window_mean.assign(pool.mean)
@@ -185,20 +176,17 @@ def convert_batch_norm(model: Any, package: Any) -> Any:
 
     Raises:
         TypeError: a subclassed model.
-        ValueError: a nested model holds a ``BatchNormalization`` (Keras 2's
+        ValueError: a ``BatchNormalization`` has ``renorm=True``; or a nested
+            model holds a Keras ``BatchNormalization`` (Keras 2's
             ``clone_model`` does not reach into it: convert it first).
     """
     cls = batch_normalization_class(package)
-    subclassed = TypeError(
-        f"convert_batch_norm takes a {package.__name__} Sequential or Functional model; received "
-        f"{type(model).__name__}. For a subclassed model, create its layers with "
-        f"accum_optimizer.layers.BatchNormalization in place of {package.__name__}.layers.BatchNormalization."
-    )
-    if not isinstance(model, package.Model):
-        raise subclassed
+    subclassed = _link.check_convertible(
+        model, package.Model, package.layers.BatchNormalization, package.__name__, package.__name__)
     for layer in model.layers:
         if isinstance(layer, package.Model) and any(
-            isinstance(inner, package.layers.BatchNormalization) for inner in _all_layers(layer)
+            isinstance(inner, package.layers.BatchNormalization) and not isinstance(inner, cls)
+            for inner in _link.all_layers(layer)
         ):
             raise ValueError(
                 f"convert_batch_norm: the nested model {layer.name!r} of {model.name!r} holds a "
@@ -220,13 +208,6 @@ def convert_batch_norm(model: Any, package: Any) -> Any:
     for old, new in zip(model.layers, converted.layers, strict=True):
         weights = old.get_weights()
         new.set_weights(weights + new.get_weights()[len(weights):])
+    _link.copy_trainable(model, converted)
     return converted
 
-
-def _all_layers(model: Any) -> Sequence[Any]:
-    found = []
-    for layer in model.layers:
-        found.append(layer)
-        if hasattr(layer, "layers"):
-            found.extend(_all_layers(layer))
-    return found

@@ -95,17 +95,16 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return parent_call(inputs, training=training, mask=mask)
         inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
         return _link.forward(
-            self._window_link,
+            self,
             lambda m: self._pooling_call(inputs, m),
             lambda: parent_call(inputs, training=training, mask=mask),
-            lambda: self._unlinked_eager_call(inputs, mask),
             lambda: self._micro_batch_moments(inputs, mask),
         )
 
     def _micro_batch_moments(self, inputs: Any, mask: Any) -> tuple:
-        """The micro-batch's ``(mean, variance)`` as the parent normalises
-        by them, and what it adds to the pool: its ``(count, mean,
-        variance)`` over every replica."""
+        """What the micro-batch adds to the pool, its ``(count, mean,
+        variance)`` over every replica; and its ``mean``, ``variance`` as the
+        parent normalises by them."""
         mean, variance = compat.batch_norm_moments(self, inputs, mask)
         if mask is None:
             count = ops.cast(ops.size(inputs), "float32") / float(inputs.shape[self.axis])
@@ -114,17 +113,14 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 ops.cast(ops.size(inputs), "float32") / ops.cast(ops.size(mask), "float32")
             ) / float(inputs.shape[self.axis])
         pooled = _link.across_replicas(count, ops.cast(mean, "float32"), ops.cast(variance, "float32"))
-        return mean, variance, pooled
+        return pooled, mean, variance
 
     def _pooling_call(self, inputs: Any, micro_batch: tuple) -> Any:
         """The parent's training forward pass (normalised by the
         micro-batch's own moments), pooling the moments in place of the
         moving-statistics update."""
-        mean, variance, pooled = micro_batch
-        pool = moments.merge(ops, self._pool(), *pooled)
-        self.window_count.assign(pool.count)
-        self.window_mean.assign(pool.mean)
-        self.window_variance.assign(pool.variance)
+        pooled, mean, variance = micro_batch
+        self.add_to_pool(pooled)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None
         outputs = ops.batch_normalization(
@@ -133,26 +129,16 @@ class BatchNormalization(keras.layers.BatchNormalization):
         )
         return ops.cast(outputs, self.compute_dtype)
 
-    def _unlinked_eager_call(self, inputs: Any, mask: Any) -> Any:
-        """The parent's training step, run eagerly before any link: the pool
-        holds only this micro-batch, the moving statistics take the parent's
-        step with it (bitwise: a pool of one micro-batch is its moments),
-        and what they were is kept for a link that comes next (:func:`follow`)."""
-        self.window_count.assign(ops.zeros_like(self.window_count.value))
-        self._window_link.undo = (  # copies (an eager read may share the variable's buffer)
-            ops.convert_to_numpy(self.moving_mean).copy(), ops.convert_to_numpy(self.moving_variance).copy()
-        )
-        outputs = self._pooling_call(inputs, self._micro_batch_moments(inputs, mask))
-        moving_mean, moving_variance = moments.moving_step(
-            ops, self.moving_mean.value, self.moving_variance.value, self._pool(), self.momentum
-        )
-        self.moving_mean.assign(moving_mean)
-        self.moving_variance.assign(moving_variance)
-        return outputs
-
     # ------------------------------------------------------------ the window
     def _pool(self) -> moments.Pool:
         return moments.Pool(self.window_count.value, self.window_mean.value, self.window_variance.value)
+
+    def add_to_pool(self, micro_batch: tuple) -> None:
+        """Merge a micro-batch's ``(count, mean, variance)`` into the pool."""
+        pool = moments.merge(ops, self._pool(), *micro_batch)
+        self.window_count.assign(pool.count)
+        self.window_mean.assign(pool.mean)
+        self.window_variance.assign(pool.variance)
 
     def end_window(self) -> list:
         """One momentum step of the moving statistics with the window's pool
@@ -182,15 +168,10 @@ def convert_batch_norm(model: Any) -> Any:
         TypeError: ``model`` is not a Keras 3 Sequential or Functional model
             (a subclassed model: build it with
             ``accum_optimizer.layers.BatchNormalization`` in its code).
-        ValueError: a ``BatchNormalization`` has ``renorm=True``.
+        ValueError: a ``BatchNormalization`` has ``renorm=True``, or a weight
+            could not be matched in the copy.
     """
-    subclassed = TypeError(
-        f"convert_batch_norm takes a Keras 3 Sequential or Functional model; received "
-        f"{type(model).__name__}. For a subclassed model, create its layers with "
-        f"accum_optimizer.layers.BatchNormalization in place of keras.layers.BatchNormalization."
-    )
-    if not isinstance(model, keras.Model):
-        raise subclassed
+    subclassed = _link.check_convertible(model, keras.Model, keras.layers.BatchNormalization, "Keras 3", "keras")
 
     def clone(layer: Any) -> Any:
         if isinstance(layer, keras.layers.BatchNormalization) and not isinstance(layer, BatchNormalization):
@@ -214,4 +195,6 @@ def convert_batch_norm(model: Any) -> Any:
         )
     for path, variable in old.items():
         new[path].assign(variable.value)
+    _link.copy_trainable(model, converted)
     return converted
+

@@ -10,9 +10,11 @@ builds. Where the link is known when the step is traced (``fit`` builds its
 optimizer first), the layer traces the pooling branch alone.
 
 Eagerly, a custom loop's first forward pass even *runs* before the
-optimizer builds: the layer then takes its parent's update, keeping what the
-moving statistics were (:attr:`Link.undo`) and that micro-batch in its pool;
-the link puts them back.
+optimizer builds: an unlinked eager forward pass takes its parent's update,
+keeping what the moving statistics were and the micro-batch
+(:attr:`Link.undo`); a link made by that micro-step's own build undoes the
+update and pools the micro-batch. Any other link keeps what unlinked passes
+did (a warm-up ``model(x, training=True)`` before ``fit``: Keras' update).
 
 Nothing here imports a framework until a link is made (TensorFlow then: the
 layers pool on the TensorFlow backend only).
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import weakref
 from typing import Any, Sequence
+
+import numpy as np
 
 from accum_optimizer.core import moments
 
@@ -37,8 +41,9 @@ class Link:
         pooling: int32 scalar variable, 1 while linked (``None`` where the
             layer cannot pool: a backend other than TensorFlow).
         backend: the Keras backend the layer runs on (for messages).
-        undo: the moving statistics ``(mean, variance)`` (NumPy copies) from
-            before an eager, unlinked forward pass, or ``None``.
+        undo: ``(moving_mean, moving_variance, micro_batch)`` (NumPy copies):
+            the moving statistics before the last eager, unlinked forward
+            pass, and what that micro-batch adds to a pool; or ``None``.
         traced_unlinked: a step was traced with the parent's update because
             no optimizer had linked the layer yet, under a strategy with more
             than one replica.
@@ -62,7 +67,8 @@ class Link:
 
 def register(layer: Any) -> None:
     """A built pooling layer (``layer._window_link``: its :class:`Link`;
-    ``layer.moving_mean``/``moving_variance``; ``layer.end_window()``)."""
+    ``layer.moving_mean``/``moving_variance``; ``layer.add_to_pool(micro_batch)``;
+    ``layer.end_window()``)."""
     _POOLING_LAYERS.add(layer)
 
 
@@ -81,13 +87,20 @@ def set_flag(link: Link, value: int) -> None:
         link.pooling.assign(value)
 
 
-def forward(link: Link, pooled: Any, parent: Any, eager_unlinked: Any, prepare: Any) -> Any:
-    """A pooling layer's training forward pass (TensorFlow):
-    ``pooled(prepare())`` while linked; ``parent()`` once its optimizer is
-    gone (the link is dropped); when not linked yet, ``eager_unlinked()``
-    eagerly, else a ``tf.cond`` on the flag between the two. ``prepare``
-    (the micro-batch's moments, all-reduced under a strategy) runs outside
-    the ``cond``: a synchronisation point may not sit in a branch."""
+def forward(layer: Any, pooled: Any, parent: Any, prepare: Any) -> Any:
+    """A pooling layer's training forward pass (TensorFlow).
+
+    ``prepare()`` gives the micro-batch's moments: a tuple whose first item
+    is what it adds to the pool, ``(count, mean, variance)`` over every
+    replica (it runs outside any ``cond``: an all-reduce may not sit in a
+    branch); ``pooled(prepared)`` normalises and pools; ``parent()`` is the
+    parent layer's own training step. While linked: ``pooled``. Once the
+    optimizer is gone: ``parent`` (the link is dropped). Not linked yet:
+    eagerly, ``parent``, remembering what the moving statistics were and the
+    micro-batch (:attr:`Link.undo`, for a link made by this micro-step's
+    own build); traced, a ``tf.cond`` on the flag between the two.
+    """
+    link = layer._window_link
     if link.owner() is not None:
         return pooled(prepare())
     if link.lost():
@@ -95,7 +108,9 @@ def forward(link: Link, pooled: Any, parent: Any, eager_unlinked: Any, prepare: 
         link.optimizer = None
         return parent()
     if executing_eagerly():
-        return eager_unlinked()
+        micro_batch = [np.array(v) for v in prepare()[0]]
+        link.undo = (np.array(layer.moving_mean.numpy()), np.array(layer.moving_variance.numpy()), micro_batch)
+        return parent()
     import tensorflow as tf
 
     context = tf.distribute.get_replica_context()
@@ -122,14 +137,61 @@ def across_replicas(count: Any, mean: Any, variance: Any) -> tuple:
     return tuple(moments.merge_parts(tf, lambda v: context.all_reduce("sum", v), count, mean, variance))
 
 
+def all_layers(model: Any) -> list:
+    """Every layer of ``model``, nested models' layers included (depth first)."""
+    found = []
+    for layer in getattr(model, "layers", ()):
+        found += [layer, *all_layers(layer)]
+    return found
+
+
+def check_convertible(model: Any, model_class: type, batch_normalization: type, keras_name: str,
+                      module: str) -> TypeError:
+    """What ``convert_batch_norm`` checks before it copies anything:
+    ``TypeError`` unless ``model`` is a ``model_class``, ``ValueError`` if a
+    ``batch_normalization`` layer has ``renorm=True``. Returns the
+    ``TypeError`` for a subclassed model (Keras' ``clone_model`` refuses
+    it)."""
+    subclassed = TypeError(
+        f"convert_batch_norm takes a {keras_name} Sequential or Functional model; received "
+        f"{type(model).__name__}. For a subclassed model, create its layers with "
+        f"accum_optimizer.layers.BatchNormalization in place of {module}.layers.BatchNormalization."
+    )
+    if not isinstance(model, model_class):
+        raise subclassed
+    for layer in all_layers(model):
+        if isinstance(layer, batch_normalization) and layer.renorm:
+            raise ValueError(
+                f"convert_batch_norm: {layer.name!r} has renorm=True, which "
+                f"accum_optimizer.layers.BatchNormalization does not support (batch renormalisation keeps its "
+                f"own per-batch statistics); leave that model's BatchNormalization as it is."
+            )
+    return subclassed
+
+
+def copy_trainable(old: Any, new: Any) -> None:
+    """``trainable`` of every layer of ``old`` onto its copy ``new``, a
+    nested model's before its layers' (Keras' clones leave a frozen model's
+    own flag True, so that unfreezing the copy would do nothing)."""
+    new.trainable = old.trainable
+    for old_layer, new_layer in zip(getattr(old, "layers", ()), getattr(new, "layers", ())):
+        copy_trainable(old_layer, new_layer)
+
+
 def _name(optimizer: Any) -> str:
     return str(getattr(optimizer, "name", None) or type(optimizer).__name__)
 
 
-def follow(optimizer: Any, var_list: Sequence[Any]) -> list:
+def follow(optimizer: Any, var_list: Sequence[Any], eager_micro_step: bool = False) -> list:
     """Link the pooling layers whose trainable weights are among
     ``var_list`` to ``optimizer`` (an accumulating wrapper being built);
     return their ``end_window`` methods.
+
+    ``eager_micro_step``: the build is the first micro-step's, run eagerly,
+    right after that micro-step's forward pass (which took the parent's
+    step, unlinked): that step is undone and its micro-batch pooled instead.
+    Any other build (``fit``'s, an explicit one, a traced step's) keeps what
+    unlinked forward passes did, as Keras' layer would have.
 
     Raises:
         ValueError: a layer already follows another live accumulating optimizer,
@@ -172,9 +234,10 @@ def follow(optimizer: Any, var_list: Sequence[Any]) -> list:
         link = layer._window_link
         link.optimizer = weakref.ref(optimizer)
         set_flag(link, 1)
-        if link.undo is not None:  # its first micro-batch ran eagerly, unlinked: pooled, not applied
+        undo, link.undo = link.undo, None
+        if undo is not None and eager_micro_step:  # this micro-step's forward pass: pooled, not applied
             with tf.init_scope():
-                layer.moving_mean.assign(link.undo[0])
-                layer.moving_variance.assign(link.undo[1])
-            link.undo = None
+                layer.moving_mean.assign(undo[0])
+                layer.moving_variance.assign(undo[1])
+                layer.add_to_pool(tuple(tf.constant(v) for v in undo[2]))
     return [layer.end_window for layer in layers]

@@ -183,6 +183,29 @@ def test_every_bn_of_a_trainable_network_pools_the_inputs_it_saw(O):
 
 
 # --------------------------------------------------- windows of every shape
+@pytest.mark.parametrize("loop", ["fit", "eager"])
+def test_a_forward_pass_before_accumulated_training_keeps_keras_update(loop, O):
+    """A training-mode forward pass outside any step (a warm-up, a plain
+    eager phase) moves the statistics as Keras' layer does; the
+    accumulated training after it starts its first window empty."""
+    reference, model = _pair(_dense)
+    probe, _ = _data(B, (5,), seed=3)
+    x, y = _data(N * B, (5,))
+    reference(probe, training=True)
+    model(probe, training=True)
+    _step(reference, O.SGD(0.1))(x, y)
+    opt = AccumulatingOptimizer(O.SGD(0.1), N)
+    if loop == "fit":
+        model.compile(opt, "mse")
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    else:
+        for k in range(N):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y[k * B:(k + 1) * B], model(x[k * B:(k + 1) * B], training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
 def test_unequal_micro_batches_pool_by_their_sizes(O):
     sizes = (4, 4, 2)
     reference, model = _pair(_dense)
@@ -329,6 +352,34 @@ def test_convert_batch_norm_replaces_every_bn_and_keeps_the_outputs(O):
     assert not any(isinstance(bn, BatchNormalization) for bn in _bns(original))
     x = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype("float32")
     np.testing.assert_array_equal(converted(x, training=False), original(x, training=False))
+
+
+def test_convert_batch_norm_keeps_a_frozen_nested_backbone_unfreezable(O):
+    """A frozen nested backbone (the fine-tuning case) converts frozen, and
+    unfreezing the copy unfreezes its layers, as with the original."""
+    keras.utils.set_random_seed(1)
+    backbone = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.BatchNormalization()],
+                                name="backbone")
+    backbone.trainable = False
+    inputs = keras.Input((5,))
+    original = keras.Model(inputs, keras.layers.Dense(1)(backbone(inputs)))
+    if skip_reason("keras3") is not None:  # Keras 2's clone_model does not reach into nested models
+        backbone_copy = convert_batch_norm(backbone)
+        inputs = keras.Input((5,))
+        original = keras.Model(inputs, keras.layers.Dense(1)(backbone_copy(inputs)))
+    converted = convert_batch_norm(original)
+    nested = [layer for layer in converted.layers if isinstance(layer, keras.Model)][0]
+    assert not nested.trainable and len(converted.trainable_weights) == len(original.trainable_weights) == 2
+    assert isinstance(nested.layers[-1], BatchNormalization)
+    nested.trainable = True
+    assert len(converted.trainable_weights) == 2 + 4  # the Dense's kernel and bias, gamma and beta
+
+
+def test_convert_batch_norm_refuses_renorm_with_the_reason(O):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.BatchNormalization(renorm=True, name="rn")])
+    with pytest.raises(ValueError, match="'rn' has renorm=True"):
+        convert_batch_norm(model)
 
 
 def test_convert_batch_norm_refuses_a_subclassed_model(O):
