@@ -422,15 +422,16 @@ def test_one_layer_trained_by_two_accumulating_optimizers_is_refused(O):
 
 
 @pytest.mark.parametrize("loop", ["fit", "custom"])
-def test_mirrored_strategy_pools_over_replicas_like_the_single_device_large_batch(loop, O):
-    """Two replicas (logical CPUs), each micro-batch of B split between them:
+def test_mirrored_strategy_pools_over_replicas_like_the_single_device_large_batch(loop, O, strategy):
+    """Two replicas (logical CPUs; the session's one strategy: a second
+    MirroredStrategy in a process reuses its collective keys), each
+    micro-batch of B split between them:
     after every window the moving statistics equal those of one device
     trained on batches of N·B (the replicas' moments merged, then the
     micro-steps')."""
     reference = _dense()
     x, y = _data(N * B * 2, (5,))
     ref_step = _step(reference, O.SGD(0.1))
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = convert_batch_norm(_dense())
         opt = AccumulatingOptimizer(O.SGD(0.1), N)
@@ -462,8 +463,7 @@ def test_mirrored_strategy_pools_over_replicas_like_the_single_device_large_batc
         _assert_stats_close(_stats(model), _stats(reference))
 
 
-def test_a_multi_replica_step_traced_before_the_link_is_refused_at_build(O):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def test_a_multi_replica_step_traced_before_the_link_is_refused_at_build(O, strategy):
     with strategy.scope():
         model = convert_batch_norm(_dense())
         opt = AccumulatingOptimizer(O.SGD(0.1), N)
