@@ -100,6 +100,16 @@ def _assert_stats_close(got, want, tol=TOL):
         np.testing.assert_allclose(gv, wv, rtol=0, atol=tol)
 
 
+def _assert_one_window_matches_the_large_batch(reference, model, x, y, O):
+    """``reference`` takes one step on ``x`` (N·B rows), ``model`` one
+    window of N micro-batches of B; then their moving statistics agree."""
+    _step(reference, O.SGD(0.1))(x, y)
+    step = _step(model, AccumulatingOptimizer(O.SGD(0.1), N))
+    for k in range(N):
+        step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+    _assert_stats_close(_stats(model), _stats(reference))
+
+
 def _pair(make):
     """The reference model (Keras' layer) and its converted copy."""
     reference = make()
@@ -142,11 +152,7 @@ def test_first_window_of_a_fully_trainable_model_equals_the_large_batch(O):
     the large batch's: the next test.)"""
     reference, model = _pair(lambda: _dense(front_trainable=True))
     x, y = _data(N * B, (5,))
-    _step(reference, O.SGD(0.1))(x, y)
-    step = _step(model, AccumulatingOptimizer(O.SGD(0.1), N))
-    for k in range(N):
-        step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
-    _assert_stats_close(_stats(model), _stats(reference))
+    _assert_one_window_matches_the_large_batch(reference, model, x, y, O)
 
 
 def test_every_bn_of_a_trainable_network_pools_the_inputs_it_saw(O):
@@ -235,11 +241,7 @@ def test_masked_micro_batches_pool_by_their_unmasked_counts(O):
     x, y = _data(N * B, (5, 3))
     steps = np.arange(5)[None, :, None]
     x = np.where(steps < np.random.default_rng(1).integers(1, 6, (N * B, 1, 1)), x, 0.0).astype("float32")
-    _step(reference, O.SGD(0.1))(x, y)
-    step = _step(model, AccumulatingOptimizer(O.SGD(0.1), N))
-    for k in range(N):
-        step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
-    _assert_stats_close(_stats(model), _stats(reference))
+    _assert_one_window_matches_the_large_batch(reference, model, x, y, O)
 
 
 def test_a_flushed_partial_window_moves_them_by_what_it_holds(O):

@@ -353,15 +353,7 @@ def versions() -> dict:
         out = subprocess.run(git + list(args), capture_output=True, text=True)
         return out.stdout.strip() if out.returncode == 0 else None
 
-    flags = set()
-    model_name = None
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-                elif line.startswith("model name") and model_name is None:
-                    model_name = line.split(":", 1)[1].strip()
+    model_name, flags = R.cpu()
     return {
         "accum_optimizer_version": accum_optimizer.__version__,
         "accum_optimizer_file": str(Path(accum_optimizer.__file__).resolve()),
@@ -378,7 +370,7 @@ def versions() -> dict:
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
         "machine": platform.machine(),
         "cpu": model_name,
-        "cpu_flags": sorted(flags & {"sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"}),
+        "cpu_flags": flags,
     }
 
 

@@ -466,3 +466,23 @@ def tf1_state(variables: dict, global_step: Any, opt: Any, fetch: Callable) -> t
     arrays = {key: np.array(value) for (key, _), value in zip(entries, values)}
     names = {key: v.name for key, v in entries if key.startswith(("weight.", "var.", "named.inner."))}
     return arrays, names
+
+
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+"""The instruction sets a manifest records (the kernels oneDNN picks depend on them)."""
+
+
+def cpu() -> tuple:
+    """``(model name, sorted flags among CPU_FLAGS)`` of this machine's CPU
+    (``(None, [])`` without ``/proc/cpuinfo``)."""
+    import os
+
+    flags, model_name = set(), None
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+                elif line.startswith("model name") and model_name is None:
+                    model_name = line.split(":", 1)[1].strip()
+    return model_name, sorted(flags & set(CPU_FLAGS))
