@@ -295,14 +295,24 @@ def check_gradient_shapes(grads: Sequence[Any], variables: Sequence[Any], name_o
 
 def shape_checked(grads: Sequence[Any], variables: Sequence[Any], name_of: Callable[[Any], str]) -> list:
     """``grads`` with each dense gradient whose shape is not fully known at
-    trace time checked when the step runs (``tf.ensure_shape``: the check
-    gates every write of the micro-step that uses it)."""
-    return [
-        g
-        if g is None or isinstance(g, tf.IndexedSlices) or g.shape.is_fully_defined()
-        else tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{op_name(name_of(v))}")
+    trace time checked when the step runs (``tf.ensure_shape``). Where any
+    is, every gradient waits for every check: each accumulator's write waits
+    only for its own gradient, and a failed check must stop them all (the
+    micro-step is all or nothing)."""
+    checks = [
+        tf.ensure_shape(g, v.shape, name=f"gradient_shape_of_{op_name(name_of(v))}")
         for g, v in zip(grads, variables)
+        if not (g is None or isinstance(g, tf.IndexedSlices) or g.shape.is_fully_defined())
     ]
+    if not checks:
+        return list(grads)
+    with tf.control_dependencies(checks):
+        return [
+            None if g is None
+            else tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
+            else tf.identity(g)
+            for g in grads
+        ]
 
 
 def _gradient_shape(value: Any) -> tuple | None:
