@@ -44,6 +44,12 @@ from accum_optimizer.families._accumulating import (
 )
 
 
+def unconverted(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The method as it is (AutoGraph, which :func:`accum_optimizer.families._tf2.unconverted`
+    keeps out on TensorFlow, is TensorFlow's)."""
+    return method
+
+
 def is_traced(value: Any) -> bool:
     """Is ``value`` a value being traced (JAX under ``jit``/``grad``), whose
     content is known only when the step runs?"""

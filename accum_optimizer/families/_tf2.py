@@ -49,6 +49,18 @@ from accum_optimizer.families._tf import (
 )
 
 
+def unconverted(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` kept out of AutoGraph (``tf.autograph.experimental.do_not_convert``),
+    and with it everything it calls: the adapters and the core branch with
+    explicit ``tf.cond`` s only, and TensorFlow, Keras and tf_keras keep their
+    own code out of AutoGraph the same way (``DoNotConvert`` in AutoGraph's
+    config). Converted, the wrapper's code cost more to trace than all the
+    rest of a train step: on ``transformer_wide`` 8,750 conversions, 15.7 s
+    of the 41.5 s first trace (Keras' built-in: 2 conversions, 0.1 s),
+    measured by ``python -m benchmarks.step_profile`` (``docs/performance.md``)."""
+    return tf.autograph.experimental.do_not_convert(method)
+
+
 def replicas_of(distribution: Any) -> core.Replicas:
     """:class:`~accum_optimizer.core.Replicas` of a strategy, reached from
     cross-replica context (inside ``merge_call``)."""
@@ -149,6 +161,10 @@ class Accumulating(_accumulating.Accumulating):
         return tf.executing_eagerly()
 
     def _build_on_first_use(self, variables: list) -> None:
+        # Eagerly, even while a `tf.function` is traced: a variable created
+        # in the trace is initialised by a `tf.cond` of its own, lifted out
+        # of the graph (41 ms per variable, 17 s of the first trace of
+        # `transformer_wide`, whose accumulating optimizer has 413).
         with tf.init_scope():
             self.build(variables)
 
@@ -204,7 +220,7 @@ class Accumulating(_accumulating.Accumulating):
     def _build_for_loading(self, model: Any) -> None:
         build_for_loading(model)
 
-    @tf.autograph.experimental.do_not_convert
+    @unconverted
     def flush(self) -> Any:
         """Apply the current, partial window now as one update, if it holds
         at least one micro-step; a no-op on an empty window.

@@ -408,6 +408,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # ------------------------------------------------------------ micro-step
+    @_route.unconverted
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], weight: Any = None) -> Any:
         """:meth:`apply` with ``(gradient, variable)`` pairs; returns
         ``iterations`` (updates taken)."""
@@ -418,6 +419,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         self.apply(grads, trainable_variables, weight=weight)
         return self.iterations
 
+    @_route.unconverted
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None, weight: Any = None) -> None:
         """Take one micro-step with ``grads`` for ``trainable_variables``.
 
@@ -477,8 +479,10 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
             )
 
     def _build_on_first_use(self, variables: list) -> None:
+        # (On TensorFlow the route builds outside the function being traced:
+        # see `_tf2.Accumulating._build_on_first_use`.)
         with keras.name_scope(self.name, caller=self):
-            self.build(variables)
+            super()._build_on_first_use(variables)
 
     def _update_inner(self, grads: list, variables: list) -> None:
         self.inner_optimizer.apply(grads, variables)

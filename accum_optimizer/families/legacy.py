@@ -257,6 +257,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         return self.weights
 
     # ------------------------------------------------------------ micro-step
+    @_tf2.unconverted
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], name: str | None = None,
                         experimental_aggregate_gradients: bool = True, weight: Any = None,
                         decay_var_list: Sequence[Any] | None = None) -> Any:
@@ -313,6 +314,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         self.__dict__["_aggregate"] = bool(experimental_aggregate_gradients)
         return self._take_micro_step(grads, variables, weight, name)
 
+    @_tf2.unconverted
     def minimize(self, loss: Any, var_list: Any, grad_loss: Any = None, name: str | None = None,
                  tape: Any = None, weight: Any = None, decay_var_list: Sequence[Any] | None = None) -> Any:
         """One micro-step on the gradients of ``loss``: ``OptimizerV2.minimize``

@@ -542,6 +542,12 @@ class KerasDriver(Driver):
         if case.reduction == "sum" and not accumulate:
             # The sum of N micro-batch mean losses has the gradient of N times the large batch's.
             loss = lambda y_, p_: self.R.mse(y_, p_) * tf.cast(float(n), p_.dtype)  # noqa: E731
+        if self.family == "keras3" and not accumulate:
+            # Built before the loop, as `fit` builds it (and as the wrapper
+            # builds its inner optimizer, outside the trace): Keras 3 built
+            # lazily inside a `tf.function` loses what `build` assigns
+            # (ScheduleFreeAdamW's momentum = the weights stays 0).
+            opt.build(model.trainable_variables)
         step = self.R.make_train_step(model, opt, loss, mode=mode)
         trajectory, names = [], None
         for u in range(updates):
