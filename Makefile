@@ -23,7 +23,7 @@ VENVS  ?= .venvs
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?= --quick
-BENCH_OUT  ?= bench_output
+BENCH_OUT  ?= docs/benchmarks
 SHELL := bash
 
 ALL_LEGS := k3 k3-oldest tfkeras tf215 k3-jax k3-torch
@@ -277,9 +277,12 @@ test-nightly:
 test-full:
 	HYPOTHESIS_PROFILE=full $(MAKE) --no-print-directory test
 
-## Memory, step-overhead and sparse benchmarks (quick profile: < 10 min on 2 CPU cores).
+## Memory, step-overhead, sparse and step-profile benchmarks, then the large
+## model's memory: regenerates docs/benchmarks/ (quick profile: about 15 min on
+## 2 CPU cores; BENCH_OUT=somewhere_else to keep the docs as they are).
 bench: $(STAMP_k3)
 	$(DIR_k3)/bin/python -m benchmarks $(BENCH_ARGS) --out $(BENCH_OUT)
+	$(DIR_k3)/bin/python -m benchmarks.memory --models transformer_big --out $(BENCH_OUT)/large
 
 clean:
 	rm -rf $(VENV) $(VENVS) demo_output bench_output site .pytest_cache .hypothesis

@@ -1,13 +1,13 @@
-"""Run the memory, step-overhead and sparse benchmarks in one go.
+"""Run the memory, step-overhead, sparse and step-profile benchmarks in one go.
 
-    python -m benchmarks                  # quick profile of all three (what `make bench` runs)
+    python -m benchmarks                  # quick profile of all four (what `make bench` runs)
     python -m benchmarks --full           # the bigger sweeps
     python -m benchmarks --tiny           # seconds; what the smoke test runs
     python -m benchmarks --only memory,sparse --out some_dir
 
 Each benchmark prints its table and writes ``<name>.json``, ``<name>.png`` and
 ``<name>.md`` to the output folder; this entry point also writes
-``SUMMARY.md`` (the three tables, the plots and the command that produced
+``SUMMARY.md`` (the tables, the plots and the command that produced
 them, ready to paste into the README) and ``run_all.json`` (wall times).
 ``benchmarks.compare_builtin`` (correctness, not cost) and
 ``benchmarks.caveats`` (where exactness needs a recipe) are separate.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 import traceback
@@ -32,6 +33,7 @@ BENCHMARKS = {
     "memory": "1. Memory: what accumulation saves and what it costs",
     "overhead": "2. Step overhead: time per micro-step, median ratios with 95% confidence intervals",
     "sparse": "3. Sparse gradients: large embedding tables",
+    "step_profile": "4. Where a micro-step's time goes: op by op against Keras' built-in",
 }
 
 
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_profile_args(parser)
     parser.add_argument("--only", type=C.parse_str_list, default=list(BENCHMARKS),
-                        help="comma list of benchmarks to run (default: memory,overhead,sparse)")
+                        help=f"comma list of benchmarks to run (default: {','.join(BENCHMARKS)})")
     args = parser.parse_args(argv)
     unknown = [b for b in args.only if b not in BENCHMARKS]
     if unknown:
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
             failed.append(name)
         print(f"=== benchmarks.{name}: {'FAILED' if rc else 'done'} in {timings[name]:.0f} s ===", flush=True)
     total = time.perf_counter() - t0
+    env["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     C.write_json(out / "run_all.json", {"profile": args.profile, "command": command, "seconds": timings,
                                         "total_seconds": total, "failed": failed, "env": env})
     _write_summary(out, args, command, timings, total, env)
@@ -82,14 +85,16 @@ def _write_summary(out: Path, args, command: str, timings: dict, total: float, e
         j = out / f"{name}.json"
         if j.exists():
             device = device or json.loads(j.read_text()).get("env", {}).get("device")
+    end = list(os.getloadavg()) if hasattr(os, "getloadavg") else []
     lines = [
         f"# accum_optimizer benchmarks ({args.profile} profile)",
         "",
         f"Produced by `{command}` in {total:.0f} s "
         f"({', '.join(f'{k} {v:.0f} s' for k, v in timings.items())}) on {env['date_utc']}: "
         f"TensorFlow {env['tensorflow']}, Keras {env['keras']}, {device or 'CPU'}, "
-        f"{env['cpu_model']} x {env['cpus_usable']} CPUs, load average at start "
-        f"{', '.join(f'{x:.1f}' for x in env['load_average_at_start'] or [])}.",
+        f"{env['cpu_model']} x {env['cpus_usable']} CPUs, load average (1, 5, 15 min) at start "
+        f"{', '.join(f'{x:.1f}' for x in env['load_average_at_start'] or [])}, at end "
+        f"{', '.join(f'{x:.1f}' for x in end)}.",
         "",
     ]
     for name, title in BENCHMARKS.items():

@@ -312,6 +312,8 @@ def pyplot():
 def write_outputs(out: Path, name: str, data: dict, markdown: str, plot_fn, prog) -> None:
     """Write ``<name>.json`` (raw figures), ``<name>.png`` and ``<name>.md``."""
     out = Path(out)
+    if isinstance(data.get("env"), dict):  # (the start's is in static_env)
+        data["env"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     jpath = write_json(out / f"{name}.json", clean_floats(data))
     ppath = plot_fn(data, out / f"{name}.png")
     (out / f"{name}.md").write_text(markdown + "\n")

@@ -13,7 +13,7 @@ every configuration first (its own model and optimizer, traced and warmed up):
     (N=1 is rejected by Keras: "n/a"),
 
 then, after one untimed round, runs them interleaved: in each of
-``--rounds`` rounds (at least 30 in the quick and full profiles), a block of
+``--rounds`` rounds (60 in the quick profile, 50 in the full one), a block of
 ``--block`` micro-steps of every configuration in turn (the order rotates
 from round to round). The block is a multiple of every N, so each block
 holds whole accumulation windows and its mean time per micro-step includes
@@ -38,11 +38,10 @@ N - 1 of N micro-steps, which plain training pays every step, so accum/plain
 can be below 1 (Keras' built-in skips it too: accum/built-in compares like
 with like). N=1 is the library's pass-through: floor 0.
 
-The quick profile (what ``make bench`` runs, < 10 min for all benchmarks on
-2 CPU cores) times N=4 in the two default ways of running a step (a custom
-loop's ``tf.function``, ``jit_compile`` off; ``model.fit``, whose
-``jit_compile="auto"`` is XLA on), and ``transformer_wide`` in the custom
-loop only; ``--full`` times the whole grid (N = 1, 4, 16; all four ways;
+The quick profile (what ``make bench`` runs) times N=4 in the two default
+ways of running a step (a custom loop's ``tf.function``, ``jit_compile``
+off; ``model.fit``, whose ``jit_compile="auto"`` is XLA on), and
+``transformer_wide`` in the custom loop with XLA off and on; ``--full`` times the whole grid (N = 1, 4, 16; all four ways;
 all three models; 50 rounds).
 
     python -m benchmarks.overhead            # quick profile (default)
@@ -89,11 +88,12 @@ PROFILES = {
     "tiny": dict(models=("cnn", "transformer_wide"), batch={"cnn": 2, "transformer": 1, "transformer_wide": 1},
                  ns=(1, 2), modes=(("custom", True), ("fit", False)),
                  model_modes={"transformer_wide": (("custom", False),)}, rounds=3, block=2, bandwidth_mib=16),
-    # quick: the 5M-parameter transformer_wide takes ~140 s on 2 cores, so
-    # `make bench` leaves it out; `--models transformer_wide` runs it alone.
-    "quick": dict(models=("cnn", "transformer"), batch={"cnn": 16, "transformer": 4, "transformer_wide": 2}, ns=(4,),
-                  modes=DEFAULT_MODES, model_modes={"transformer_wide": (("custom", False),)},
-                  rounds=30, block=4, bandwidth_mib=64),
+    # quick: the 5M-parameter transformer_wide in the custom loop, XLA off
+    # and on (about 2 minutes on 2 cores).
+    "quick": dict(models=("cnn", "transformer", "transformer_wide"),
+                  batch={"cnn": 16, "transformer": 4, "transformer_wide": 2}, ns=(4,),
+                  modes=DEFAULT_MODES, model_modes={"transformer_wide": (("custom", False), ("custom", True))},
+                  rounds=60, block=4, bandwidth_mib=64),
     "full": dict(models=MODELS, batch={"cnn": 32, "transformer": 8, "transformer_wide": 4}, ns=(1, 4, 16),
                  modes=ALL_MODES, model_modes={}, rounds=50, block=16, bandwidth_mib=256),
 }
@@ -272,12 +272,24 @@ def _claim(s: dict | None) -> str:
     return "yes" if s["ci_high"] <= CLAIM else "no"
 
 
+def _build_seconds(group: dict, n: int) -> str:
+    b = group["build_and_trace_s"]
+    return " / ".join("n/a" if b.get(k) is None else f"{b[k]:.1f}" for k in ("plain", f"accum N={n}", f"builtin N={n}"))
+
+
+def _build_ratio(group: dict, n: int) -> str:
+    b = group["build_and_trace_s"]
+    accum, builtin = b.get(f"accum N={n}"), b.get(f"builtin N={n}")
+    return "n/a" if accum is None or builtin is None else f"{accum / builtin:.2f}"
+
+
 def table(data: dict, markdown: bool = False) -> str:
     bw = data["bandwidth"]["bytes_per_second"]
     conf = f"{100 * CONFIDENCE:.0f}% CI"
     headers = ["model", "loop", "jit", "N", "plain ms", "accum ms", "built-in ms",
                f"accum/plain [{conf}]", f"accum/built-in [{conf}]", f"overhead ms [{conf}]", "floor ms",
-               "overhead/floor", f"accum/plain <= {CLAIM:g} shown"]
+               "overhead/floor", f"accum/plain <= {CLAIM:g} shown", "build + trace s: plain / accum / built-in",
+               "accum/built-in build + trace"]
     rows = []
     for g in data["groups"]:
         floor_s = data["models"][g["model"]]["floor_seconds"]
@@ -292,7 +304,8 @@ def table(data: dict, markdown: bool = False) -> str:
                          _ms(row["builtin_s"]) if row["builtin_s"] else "n/a",
                          _ratio(row["accum_over_plain"]), _ratio(row["accum_over_builtin"]),
                          over, "0" if row["n"] == 1 else f"{1e3 * floor_s:.3f}", ratio,
-                         _claim(row["accum_over_plain"])])
+                         _claim(row["accum_over_plain"]), _build_seconds(g, row["n"]),
+                         _build_ratio(g, row["n"])])
     lines = [C.format_table(headers, rows, markdown)]
     lines.append("")
     s = data["settings"]
@@ -304,7 +317,9 @@ def table(data: dict, markdown: bool = False) -> str:
                  "read and write accumulator) at the measured copy bandwidth; N=1 is the pass-through (floor "
                  f"0). '<= {CLAIM:g} shown': the interval's upper bound for accum/plain is <= {CLAIM:g}. With "
                  "N >= 2 the accumulating step skips the inner optimizer's update on N-1 of N micro-steps, "
-                 "which plain training pays every step: accum/built-in compares like with like.")
+                 "which plain training pays every step: accum/built-in compares like with like. 'build + "
+                 "trace': seconds from building the model and optimizer to the end of the first step (trace, "
+                 "graph optimisation or XLA compilation, first run), one run of each, side by side.")
     if markdown:
         lines.append("")
     for kind, m in data["models"].items():

@@ -144,6 +144,56 @@ def test_overhead_output(tiny_run):
     assert "accum/plain [95% CI]" in (out / "overhead.md").read_text()
 
 
+def test_overhead_reports_build_and_trace(tiny_run):
+    out, _ = tiny_run
+    data = _load(out / "overhead.json")
+    for g in data["groups"]:
+        for label, seconds in g["build_and_trace_s"].items():
+            assert _positive(seconds), (label, seconds)
+    md = (out / "overhead.md").read_text()
+    assert "build + trace s: plain / accum / built-in" in md and "accum/built-in build + trace" in md
+    assert data["env"]["load_average_at_end"] is not None and data["env"]["load_average_at_start"] is not None
+
+
+def test_step_profile_output(tiny_run):
+    """Each micro-step kind's wall times and, with XLA off, its ops as the
+    TensorFlow profiler saw them: the accumulate-only micro-step runs no
+    inner update (no Adam slot write), the update runs it."""
+    out, stdout = tiny_run
+    data = _load(out / "step_profile.json")
+    assert data["benchmark"] == "step_profile"
+    _check_env(data["env"])
+    assert {g["jit_compile"] for g in data["groups"]} == {False, True}
+    rounds = data["settings"]["rounds"]
+    for g in data["groups"]:
+        for method in ("accum", "builtin"):
+            b = g["build"][method]
+            assert _positive(b["trace_s"]) and _positive(b["first_call_s"]) and b["graph"]["functions"] >= 2
+            for kind in ("accumulate", "update"):
+                assert len(g["times_s"][method][kind]) == rounds and all(map(_positive, g["times_s"][method][kind]))
+        for kind in ("accumulate", "update"):
+            st = g["accum_over_builtin"][kind]
+            assert st["n"] == rounds and st["ci_low"] <= st["median"] <= st["ci_high"]
+        if g["jit_compile"]:
+            continue
+        for method in ("accum", "builtin"):
+            ops = g["ops"][method]
+            assert ops["accumulate"] and ops["update"], method
+            # Adam writes its slots with AssignSubVariableOp / AssignVariableOp on updates only:
+            # the accumulate-only micro-step of either optimizer has no AssignSubVariableOp.
+            assert "AssignSubVariableOp" not in ops["accumulate"], (method, sorted(ops["accumulate"]))
+            assert ops["update"]["AssignSubVariableOp"]["count"] > 0
+            assert sum(e["count"] for e in ops["update"].values()) > sum(e["count"] for e in ops["accumulate"].values())
+            # From the traced graph: an update runs the inner optimizer's ops on top of what every micro-step runs.
+            graph = g["graph_ops"][method]
+            assert graph["update"].get("AssignSubVariableOp", 0) > 0 and "AssignSubVariableOp" not in graph["accumulate"]
+            assert sum(graph["update"].values()) > sum(graph["accumulate"].values())
+    _check_png(out / "step_profile.png")
+    md = (out / "step_profile.md").read_text()
+    assert "Ops of one accumulate micro-step" in md and "Ops of one update micro-step" in md
+    assert "accum/built-in [95% CI]" in stdout
+
+
 def test_bootstrap_interval_matches_exact_bootstrap():
     """The percentile interval of the median of 7 distinct values, against the
     exact bootstrap distribution (all 7**7 resamples equally likely). With
@@ -199,9 +249,11 @@ def test_sparse_output(tiny_run):
 def test_summary(tiny_run):
     out, _ = tiny_run
     run = _load(out / "run_all.json")
-    assert run["failed"] == [] and set(run["seconds"]) == {"memory", "overhead", "sparse"}
+    assert run["failed"] == [] and set(run["seconds"]) == {"memory", "overhead", "sparse", "step_profile"}
+    assert run["env"]["load_average_at_start"] and run["env"]["load_average_at_end"]
     summary = (out / "SUMMARY.md").read_text()
-    for name in ("memory", "overhead", "sparse"):
+    assert "load average (1, 5, 15 min) at start" in summary and ", at end " in summary
+    for name in ("memory", "overhead", "sparse", "step_profile"):
         assert f"![{name}]({name}.png)" in summary
     assert "python -m benchmarks --tiny" in summary
 
