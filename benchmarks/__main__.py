@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import time
 import traceback
@@ -65,7 +64,7 @@ def main(argv=None) -> int:
             failed.append(name)
         print(f"=== benchmarks.{name}: {'FAILED' if rc else 'done'} in {timings[name]:.0f} s ===", flush=True)
     total = time.perf_counter() - t0
-    env["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    env["load_average_at_end"] = C.load_average()
     C.write_json(out / "run_all.json", {"profile": args.profile, "command": command, "seconds": timings,
                                         "total_seconds": total, "failed": failed, "env": env})
     _write_summary(out, args, command, timings, total, env)
@@ -85,7 +84,6 @@ def _write_summary(out: Path, args, command: str, timings: dict, total: float, e
         j = out / f"{name}.json"
         if j.exists():
             device = device or json.loads(j.read_text()).get("env", {}).get("device")
-    end = list(os.getloadavg()) if hasattr(os, "getloadavg") else []
     lines = [
         f"# accum_optimizer benchmarks ({args.profile} profile)",
         "",
@@ -94,7 +92,7 @@ def _write_summary(out: Path, args, command: str, timings: dict, total: float, e
         f"TensorFlow {env['tensorflow']}, Keras {env['keras']}, {device or 'CPU'}, "
         f"{env['cpu_model']} x {env['cpus_usable']} CPUs, load average (1, 5, 15 min) at start "
         f"{', '.join(f'{x:.1f}' for x in env['load_average_at_start'] or [])}, at end "
-        f"{', '.join(f'{x:.1f}' for x in end)}.",
+        f"{', '.join(f'{x:.1f}' for x in env['load_average_at_end'] or [])}.",
         "",
     ]
     for name, title in BENCHMARKS.items():

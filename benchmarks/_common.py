@@ -116,6 +116,15 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def load_average() -> list | None:
+    """The machine's load average over 1, 5 and 15 minutes, or ``None``
+    where the platform has none."""
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):
+        return None
+
+
 def static_env() -> dict:
     """Environment facts that need no TensorFlow import."""
     try:
@@ -127,10 +136,7 @@ def static_env() -> dict:
                                 capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
+    load = load_average()
     return {
         "tensorflow": _version("tensorflow") or _version("tensorflow-cpu"),
         "keras": _version("keras"),
@@ -313,7 +319,7 @@ def write_outputs(out: Path, name: str, data: dict, markdown: str, plot_fn, prog
     """Write ``<name>.json`` (raw figures), ``<name>.png`` and ``<name>.md``."""
     out = Path(out)
     if isinstance(data.get("env"), dict):  # (the start's is in static_env)
-        data["env"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+        data["env"]["load_average_at_end"] = load_average()
     jpath = write_json(out / f"{name}.json", clean_floats(data))
     ppath = plot_fn(data, out / f"{name}.png")
     (out / f"{name}.md").write_text(markdown + "\n")

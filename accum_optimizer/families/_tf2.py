@@ -57,7 +57,8 @@ def unconverted(method: Callable[..., Any]) -> Callable[..., Any]:
     config). Converted, the wrapper's code cost more to trace than all the
     rest of a train step: on ``transformer_wide`` 8,750 conversions, 15.7 s
     of the 41.5 s first trace (Keras' built-in: 2 conversions, 0.1 s),
-    measured by ``python -m benchmarks.step_profile`` (``docs/performance.md``)."""
+    measured by cProfile around the trace (``docs/performance.md``; the trace
+    times are ``python -m benchmarks.step_profile``'s)."""
     return tf.autograph.experimental.do_not_convert(method)
 
 
