@@ -123,7 +123,7 @@ PYTHON_k3-jax   := $(PYTHON)
 EXTRAS_k3-jax   := test,keras3,plan
 PINS_k3-jax     := keras==3.15.* jax[cpu]==0.10.*
 ENV_k3-jax      := KERAS_BACKEND=jax
-ARGS_k3-jax     := tests/backends
+ARGS_k3-jax     := tests/backends tests/docs
 
 DIR_k3-torch    := $(VENVS)/k3-torch
 PYTHON_k3-torch := $(PYTHON)
@@ -132,7 +132,7 @@ EXTRAS_k3-torch := test,keras3,plan
 # minute); any other torch from the index is a CUDA build of 5.5 GB.
 PINS_k3-torch   := keras==3.15.* torch==2.13.0
 ENV_k3-torch    := KERAS_BACKEND=torch
-ARGS_k3-torch   := tests/backends
+ARGS_k3-torch   := tests/backends tests/docs
 
 .PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
 	$(addprefix venv-,$(ALL_LEGS)) $(addprefix test-,$(ALL_LEGS))
