@@ -256,6 +256,30 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
     def variables(self) -> list:
         return self.weights
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        """``copy.deepcopy``: a wrapper that trains like this one from here
+        on, as a deep-copied ``OptimizerV2`` does. It holds copies of the
+        accumulators, counters and inner optimizer (slots, ``iterations``,
+        hyperparameters: the inner optimizer's own deep copy) and applies
+        them to the same model variables (which an ``OptimizerV2`` keys its
+        slots by, and which are not copied), under the same
+        ``tf.distribute`` strategy (a strategy cannot be copied). The layers
+        that follow its windows (``accum_optimizer.layers.BatchNormalization``)
+        are shared, not copied. Eagerly only (as a variable's deep copy)."""
+        result = type(self).__new__(type(self))
+        memo[id(self)] = result
+        state = self.__dict__
+        shared = [*state.get("_build_order", ()), *state.get("_window_followers", ()),
+                  *(v for v in state.values() if isinstance(v, tf.distribute.Strategy))]
+        for obj in shared:
+            memo.setdefault(id(obj), obj)
+        if state.get("_flush_function") is not None:  # bound to this wrapper: the copy makes its own
+            memo.setdefault(id(state["_flush_function"]), None)
+        # Straight into the copy's __dict__: the tracking records are copied
+        # with the rest, so nothing is tracked twice.
+        result.__dict__.update({name: copy.deepcopy(value, memo) for name, value in state.items()})
+        return result
+
     # ------------------------------------------------------------ micro-step
     @_tf2.unconverted
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], name: str | None = None,

@@ -6,6 +6,7 @@ from support.families import require
 
 require("legacy")
 
+import copy  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -208,3 +209,42 @@ def test_import_loads_no_keras3_and_registers_the_legacy_wrapper():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built_mid_window"])
+def test_a_deep_copy_trains_like_the_original(built):
+    """``copy.deepcopy`` of the wrapper works as the plain ``OptimizerV2``'s
+    does (it raised: the strategy it keeps cannot be copied): the copy holds
+    copies of the accumulators, counters and inner slots and trains the same
+    model variables. Reference: plain Adam on the large batch (N·B) over the
+    same samples, reached by the copy from the point of copying (mid-window
+    when built: the partial window is copied), and by the original resumed
+    from that point after the copy trained (the copy shares no state with it)."""
+    updates = 2
+    micro_steps = N * updates
+    x, y = R.dense_data(B * micro_steps)
+    reference = R.train(R.dense_model(), L.Adam(0.05), x, y, N * B, updates)
+
+    model = R.dense_model()
+    original = AccumulatingOptimizer(L.Adam(0.05), N)
+
+    def run(optimizer, first, last):
+        step = R.make_train_step(model, optimizer)
+        for s in range(first, last):
+            step(tf.constant(x[s * B:(s + 1) * B]), tf.constant(y[s * B:(s + 1) * B]))
+
+    copied_at = N + 1 if built else 0
+    run(original, 0, copied_at)
+    weights_at_copy = model.get_weights()
+    copied = copy.deepcopy(original)
+    assert type(copied) is type(original) and copied.inner_optimizer is not original.inner_optimizer
+    assert copied.built == built
+
+    run(copied, copied_at, micro_steps)
+    assert R.max_abs_diff(reference.get_weights(), model.get_weights()) <= TOL
+    assert int(copied.iterations.numpy()) == updates
+
+    model.set_weights(weights_at_copy)
+    run(original, copied_at, micro_steps)
+    assert R.max_abs_diff(reference.get_weights(), model.get_weights()) <= TOL
+    assert int(original.iterations.numpy()) == updates
