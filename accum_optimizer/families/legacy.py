@@ -112,8 +112,11 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
       taken by :meth:`apply_gradients` and ``minimize`` and applied once per
       update.
     * ``get_slot(var, "m")`` and ``get_slot_names()`` read the inner
-      optimizer's slots (the wrapper has none of its own); a
-      ``tf.train.Checkpoint`` saves them once, under the inner optimizer.
+      optimizer's slots, and ``add_slot`` adds to them (the wrapper has none
+      of its own); a ``tf.train.Checkpoint`` saves them once, under the
+      inner optimizer, and its restore recreates them there.
+    * ``copy.deepcopy`` gives a wrapper that trains like this one from
+      there, as a plain ``OptimizerV2``'s deep copy does (:meth:`__deepcopy__`).
 
     State (saved wherever Keras 2 saves optimizer weights, in :attr:`weights`
     order): ``micro_steps``, ``grad_received``, the accumulators
@@ -255,6 +258,14 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
 
     def variables(self) -> list:
         return self.weights
+
+    def add_slot(self, var: Any, slot_name: str, initializer: Any = "zeros", shape: Any = None) -> Any:
+        """Add the slot ``slot_name`` for ``var`` to the inner optimizer
+        (``OptimizerV2.add_slot``: the same arguments, the slot variable
+        returned; ``shape`` defaults to ``var``'s): the wrapper has no slots
+        of its own, so :meth:`get_slot` finds it and a checkpoint saves it
+        once, under the inner optimizer, whose restore recreates it."""
+        return self.inner_optimizer.add_slot(var, slot_name, initializer=initializer, shape=shape)
 
     def __deepcopy__(self, memo: dict) -> Any:
         """``copy.deepcopy``: a wrapper that trains like this one from here
