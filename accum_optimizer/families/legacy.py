@@ -103,8 +103,11 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
       decoupled weight decay and no constraint.
     * The inner optimizer's hyperparameters and clip settings are read and
       assigned through the wrapper (``opt.beta_1``, ``opt.epsilon``,
-      ``opt._get_hyper("beta_1")``, ``opt.clipnorm = 1.0``), as on the
-      optimizer compiled with (:class:`accum_optimizer._compat.ForwardsSettings`).
+      ``opt._get_hyper("beta_1")``, ``opt.clipnorm = 1.0``), and its public
+      methods that the wrapper lacks called through it (tfa's
+      ``opt.assign_average_vars(model.variables)``), as on the optimizer
+      compiled with (:class:`accum_optimizer._compat.ForwardsSettings`);
+      ``apply_gradients`` and ``minimize`` are always the wrapper's.
     * In a ``tf.compat.v1`` graph (TF1-style code, Keras 2's graph-mode
       ``fit``) :meth:`apply_gradients`, ``minimize`` and :meth:`flush`
       return the op to run, as ``OptimizerV2`` does.

@@ -248,3 +248,38 @@ def test_a_deep_copy_trains_like_the_original(built):
     run(original, copied_at, micro_steps)
     assert R.max_abs_diff(reference.get_weights(), model.get_weights()) <= TOL
     assert int(original.iterations.numpy()) == updates
+
+
+class _WithMethods(L.SGD):
+    """A legacy optimizer with public methods of its own, one named like an
+    update entry point of another Keras API."""
+
+    def scaled_learning_rate(self, factor):
+        return float(self.learning_rate.numpy()) * factor
+
+    def apply(self, grads, trainable_variables):  # Keras 3's name: would update at once
+        return self.apply_gradients(zip(grads, trainable_variables))
+
+    def _private_helper(self):
+        return "private"
+
+
+def test_public_methods_of_the_inner_are_reached_but_never_an_update():
+    """A public method of the inner optimizer that the wrapper does not have
+    is called through it (as on the optimizer compiled with); a private one
+    is not; ``apply_gradients``/``minimize`` stay the wrapper's (a
+    micro-step moves nothing: reference, the weights before it), and an
+    inner method named like an update entry point (``apply``) is refused
+    with the reason, before anything moves."""
+    inner = _WithMethods(0.5)
+    opt = AccumulatingOptimizer(inner, N)
+    assert opt.scaled_learning_rate(4.0) == 2.0
+    with pytest.raises(AttributeError, match="_private_helper"):
+        opt._private_helper()
+    model = R.dense_model()
+    before = model.get_weights()
+    with pytest.raises(AttributeError, match="bypassing the accumulation"):
+        opt.apply([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables)
+    opt.apply_gradients(zip([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables))
+    assert R.max_abs_diff(before, model.get_weights()) == 0.0
+    assert int(opt.micro_steps.numpy()) == 1 and int(inner.iterations.numpy()) == 0
