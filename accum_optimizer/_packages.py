@@ -3,11 +3,13 @@
 A leaf module (it imports nothing of this package): the dispatcher and the
 families both ask it. Looking only at ``sys.modules`` means asking imports
 nothing the user did not, except :func:`active_keras`, which imports
-TensorFlow (if installed) to resolve ``tf.keras``.
+the active Keras (and TensorFlow, if installed, to resolve ``tf.keras``,
+unless Keras 3 runs on JAX or torch).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -41,16 +43,52 @@ def tensorflow() -> Any:
     return sys.modules.get("tensorflow")
 
 
+def legacy_keras_requested() -> bool:
+    """Is ``TF_USE_LEGACY_KERAS`` set so that ``tf.keras`` is ``tf_keras``
+    (the values TensorFlow itself accepts: ``1``, ``true``, ``True``)?"""
+    return os.environ.get("TF_USE_LEGACY_KERAS") in ("1", "true", "True")
+
+
+def keras3_backend() -> str | None:
+    """The backend of Keras 3 (``"tensorflow"``, ``"jax"``, ``"torch"``, ...)
+    if it is installed, else ``None``. Imports Keras (Keras 3 imports its
+    backend only: not TensorFlow on JAX or torch)."""
+    try:
+        import keras
+    except ImportError:
+        return None
+    return keras.backend.backend() if major(keras) >= 3 else None
+
+
+def keras3_off_tensorflow() -> Any:
+    """Keras 3, if it runs on another backend than TensorFlow (JAX, torch)
+    and ``TF_USE_LEGACY_KERAS`` does not ask for ``tf_keras``, and TensorFlow
+    is not imported; else ``None``. Imports nothing unless TensorFlow is
+    not imported and ``tf_keras`` is not asked for (then Keras:
+    :func:`keras3_backend`)."""
+    if "tensorflow" in sys.modules or legacy_keras_requested():
+        return None
+    if keras3_backend() in (None, "tensorflow"):
+        return None
+    return sys.modules["keras"]
+
+
 def active_keras() -> tuple[str, Any]:
     """``("keras3" | "keras2", package)``: the Keras that ``tf.keras`` is.
 
     ``tf.keras`` is Keras 3 on TF >= 2.16 unless ``TF_USE_LEGACY_KERAS`` is
     set (then ``tf_keras``), and Keras 2 on TF <= 2.15. Resolving it imports
-    only that Keras. Without TensorFlow (Keras 3 on JAX or torch): Keras 3.
+    only that Keras. Keras 3 on another backend than TensorFlow (JAX,
+    torch; ``KERAS_BACKEND``) with ``TF_USE_LEGACY_KERAS`` unset: Keras 3,
+    without importing TensorFlow even where it is installed (unless it is
+    imported already). Without TensorFlow: Keras 3.
 
     Raises:
         ImportError: neither TensorFlow nor Keras 3 is installed.
     """
+    keras = keras3_off_tensorflow()
+    if keras is not None:
+        return "keras3", keras
     try:
         import tensorflow as tf
     except ImportError:

@@ -132,21 +132,32 @@ def model_up_the_stack(optimizer: Any, model_class: type) -> Any:
 #: ``amsgrad``, SGD's ``nesterov``) that :class:`ForwardsSettings` forwards.
 PLAIN_SETTINGS = (bool, int, float)
 
+#: The methods of every Keras optimizer API that apply gradients: never
+#: reached on the inner optimizer through the wrapper, even where the
+#: wrapper's class lacks one (called on the inner optimizer, they would
+#: update the weights at every micro-step, bypassing the accumulation).
+UPDATE_METHODS = frozenset({"apply", "apply_gradients", "minimize", "stateless_apply", "update_step"})
+
 
 class ForwardsSettings:
     """Mixin (placed before the framework's optimizer class, whose
     ``__setattr__``/``__getattr__`` it overrides: here, in the fence): the
-    inner optimizer's hyperparameters and plain settings read
-    and assigned through the wrapper (``opt.beta_1``, ``opt.epsilon``,
-    ``opt.amsgrad = True``), as user code and tests do on the optimizer they
-    compiled with.
+    inner optimizer's hyperparameters and plain settings read and assigned
+    through the wrapper (``opt.beta_1``, ``opt.epsilon``,
+    ``opt.amsgrad = True``), and its public methods called through it
+    (tensorflow-addons' ``opt.assign_average_vars(model.variables)``), as
+    user code and tests do on the optimizer they compiled with.
 
-    A name is forwarded when it is public, not the wrapper's own (neither an
-    attribute of its instance nor of its class) and is, on the inner
+    A name is forwarded when it is public (no leading underscore), not the
+    wrapper's own (neither an attribute of its instance nor of its class:
+    every method of the framework's optimizer base class, ``apply_gradients``
+    and ``minimize`` among them, stays the wrapper's) and is, on the inner
     optimizer, one of :meth:`_inner_hyperparameters` (Keras 2's legacy
-    ``_hyper`` names) or an instance attribute holding a ``bool``, ``int`` or
-    ``float``. The inner optimizer's variables, slots and methods are not
-    forwarded (call them on ``inner_optimizer``). Assignments are forwarded
+    ``_hyper`` names), an instance attribute holding a ``bool``, ``int`` or
+    ``float``, or a method (a callable attribute of its class) other than
+    :data:`UPDATE_METHODS`, which raise ``AttributeError`` saying why. The
+    inner optimizer's variables and slots are not forwarded (read them on
+    ``inner_optimizer``). Assignments are forwarded only to settings, and
     only after construction, so the wrapper's own attributes never reach the
     inner optimizer."""
 
@@ -154,20 +165,45 @@ class ForwardsSettings:
         """The inner optimizer's hyperparameter names (a container)."""
         return ()
 
-    def _inner_setting(self, name: str) -> Any:
-        """The inner optimizer if ``name`` is one of its forwarded settings, else ``None``."""
+    def _forwardable(self, name: str) -> Any:
+        """The inner optimizer if ``name`` is public and not the wrapper's own, else ``None``."""
         inner = self.__dict__.get("inner_optimizer")
         if inner is None or name.startswith("_") or name in self.__dict__ or hasattr(type(self), name):
+            return None
+        return inner
+
+    def _inner_setting(self, name: str) -> Any:
+        """The inner optimizer if ``name`` is one of its forwarded settings, else ``None``."""
+        inner = self._forwardable(name)
+        if inner is None:
             return None
         if name in self._inner_hyperparameters():
             return inner
         value = getattr(inner, "__dict__", {}).get(name)
         return inner if type(value) in PLAIN_SETTINGS else None
 
+    def _inner_method(self, name: str) -> Any:
+        """The inner optimizer if ``name`` is one of its forwarded methods, else ``None``."""
+        inner = self._forwardable(name)
+        if inner is None or name in UPDATE_METHODS:
+            return None
+        return inner if callable(getattr(type(inner), name, None)) else None
+
     def __getattr__(self, name: str) -> Any:
         # Reached only where the normal lookup (and the framework's own) failed.
-        inner = self._inner_setting(name) if not name.startswith("_") else None
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        inner = self._inner_setting(name)
         if inner is None:
+            inner = self._inner_method(name)
+        if inner is None:
+            if name in UPDATE_METHODS and self._forwardable(name) is not None:
+                raise AttributeError(
+                    f"{type(self).__name__!r} object has no attribute {name!r}: the inner optimizer's "
+                    f"`{name}` is not reached through the wrapper, because it would update the weights at "
+                    "every micro-step, bypassing the accumulation. Call the wrapper's apply_gradients or "
+                    "minimize (or fit)."
+                )
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(inner, name)
 

@@ -12,7 +12,8 @@ from accum_optimizer import _compat, _packages
 
 
 def _packages_for(distribution: str) -> list:
-    names = {"tensorflow": ["tensorflow"], "keras": ["keras"], "tf_keras": ["tf_keras", "keras"]}[distribution]
+    names = {"tensorflow": ["tensorflow"], "keras": ["keras"], "tf_keras": ["tf_keras", "keras"],
+             "tensorflow-addons": ["tensorflow_addons"]}[distribution]
     found = []
     for name in names:
         try:

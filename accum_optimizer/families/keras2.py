@@ -76,7 +76,8 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
     * ``lr`` (what Keras 2's ``LearningRateScheduler`` and
       ``ReduceLROnPlateau`` read and assign) forwards to the inner optimizer,
       as do its clip settings, EMA and weight decay settings and
-      hyperparameters (``opt.beta_1``, ``opt.epsilon``: read and assigned,
+      hyperparameters (``opt.beta_1``, ``opt.epsilon``: read and assigned)
+      and public methods the wrapper lacks (never an update:
       :class:`accum_optimizer._compat.ForwardsSettings`).
     * A variable with no gradient in the whole window gets no update, weight
       decay, EMA update or constraint, as Keras 2 leaves a variable whose

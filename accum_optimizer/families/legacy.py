@@ -103,8 +103,11 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
       decoupled weight decay and no constraint.
     * The inner optimizer's hyperparameters and clip settings are read and
       assigned through the wrapper (``opt.beta_1``, ``opt.epsilon``,
-      ``opt._get_hyper("beta_1")``, ``opt.clipnorm = 1.0``), as on the
-      optimizer compiled with (:class:`accum_optimizer._compat.ForwardsSettings`).
+      ``opt._get_hyper("beta_1")``, ``opt.clipnorm = 1.0``), and its public
+      methods that the wrapper lacks called through it (tfa's
+      ``opt.assign_average_vars(model.variables)``), as on the optimizer
+      compiled with (:class:`accum_optimizer._compat.ForwardsSettings`);
+      ``apply_gradients`` and ``minimize`` are always the wrapper's.
     * In a ``tf.compat.v1`` graph (TF1-style code, Keras 2's graph-mode
       ``fit``) :meth:`apply_gradients`, ``minimize`` and :meth:`flush`
       return the op to run, as ``OptimizerV2`` does.
@@ -112,8 +115,11 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
       taken by :meth:`apply_gradients` and ``minimize`` and applied once per
       update.
     * ``get_slot(var, "m")`` and ``get_slot_names()`` read the inner
-      optimizer's slots (the wrapper has none of its own); a
-      ``tf.train.Checkpoint`` saves them once, under the inner optimizer.
+      optimizer's slots, and ``add_slot`` adds to them (the wrapper has none
+      of its own); a ``tf.train.Checkpoint`` saves them once, under the
+      inner optimizer, and its restore recreates them there.
+    * ``copy.deepcopy`` gives a wrapper that trains like this one from
+      there, as a plain ``OptimizerV2``'s deep copy does (:meth:`__deepcopy__`).
 
     State (saved wherever Keras 2 saves optimizer weights, in :attr:`weights`
     order): ``micro_steps``, ``grad_received``, the accumulators
@@ -255,6 +261,38 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
 
     def variables(self) -> list:
         return self.weights
+
+    def add_slot(self, var: Any, slot_name: str, initializer: Any = "zeros", shape: Any = None) -> Any:
+        """Add the slot ``slot_name`` for ``var`` to the inner optimizer
+        (``OptimizerV2.add_slot``: the same arguments, the slot variable
+        returned; ``shape`` defaults to ``var``'s): the wrapper has no slots
+        of its own, so :meth:`get_slot` finds it and a checkpoint saves it
+        once, under the inner optimizer, whose restore recreates it."""
+        return self.inner_optimizer.add_slot(var, slot_name, initializer=initializer, shape=shape)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """``copy.deepcopy``: a wrapper that trains like this one from here
+        on, as a deep-copied ``OptimizerV2`` does. It holds copies of the
+        accumulators, counters and inner optimizer (slots, ``iterations``,
+        hyperparameters: the inner optimizer's own deep copy) and applies
+        them to the same model variables (which an ``OptimizerV2`` keys its
+        slots by, and which are not copied), under the same
+        ``tf.distribute`` strategy (a strategy cannot be copied). The layers
+        that follow its windows (``accum_optimizer.layers.BatchNormalization``)
+        are shared, not copied. Eagerly only (as a variable's deep copy)."""
+        result = type(self).__new__(type(self))
+        memo[id(self)] = result
+        state = self.__dict__
+        shared = [*state.get("_build_order", ()), *state.get("_window_followers", ()),
+                  *(v for v in state.values() if isinstance(v, tf.distribute.Strategy))]
+        for obj in shared:
+            memo.setdefault(id(obj), obj)
+        if state.get("_flush_function") is not None:  # bound to this wrapper: the copy makes its own
+            memo.setdefault(id(state["_flush_function"]), None)
+        # Straight into the copy's __dict__: the tracking records are copied
+        # with the rest, so nothing is tracked twice.
+        result.__dict__.update({name: copy.deepcopy(value, memo) for name, value in state.items()})
+        return result
 
     # ------------------------------------------------------------ micro-step
     @_tf2.unconverted

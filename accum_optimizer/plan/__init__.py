@@ -293,6 +293,32 @@ def gpu_memory_bytes() -> int | None:
         return None
 
 
+def check_backend() -> None:
+    """Refuse a Keras 3 backend whose memory the probes cannot measure.
+
+    A probe reads TensorFlow's allocator, so the planner needs the model to
+    train on TensorFlow: Keras 3 on TensorFlow, or Keras 2 (``tf_keras``
+    with ``TF_USE_LEGACY_KERAS=1``, or TF <= 2.15's ``tf.keras``). Keras 3
+    on JAX or torch would peak at 0 bytes in every trial.
+
+    Raises:
+        NotImplementedError: Keras 3's backend (``KERAS_BACKEND``) is not
+            TensorFlow and ``TF_USE_LEGACY_KERAS`` is not set (the message
+            names the backend and what is accepted). A ``RuntimeError``.
+    """
+    from accum_optimizer._packages import keras3_backend, legacy_keras_requested
+
+    backend = None if legacy_keras_requested() else keras3_backend()
+    if backend not in (None, "tensorflow"):
+        raise NotImplementedError(
+            f"The planner cannot measure Keras 3 on the {backend!r} backend (KERAS_BACKEND="
+            f"{os.environ.get('KERAS_BACKEND', '<unset>')}): each probe reads TensorFlow's allocator, "
+            "which a model on this backend does not use, so every trial would peak at 0 bytes. It "
+            "accepts Keras 3 on TensorFlow (run it with KERAS_BACKEND=tensorflow) or Keras 2 (tf_keras "
+            "with TF_USE_LEGACY_KERAS=1, or tf.keras on TensorFlow <= 2.15)."
+        )
+
+
 def probe(build: str, batch: str, micro_batch_size: int, budget_bytes: int | None = None,
           timeout: float = 1800) -> dict:
     """Measure one micro-batch size in a fresh process
@@ -355,7 +381,7 @@ def plan_accumulation(
     Args:
         build: importable ``"module:function"``; the function (no arguments)
             returns a compiled Keras model (any optimizer; Keras 3 on
-            TensorFlow or Keras 2).
+            TensorFlow or Keras 2: see :func:`check_backend`).
         batch: importable ``"module:function"``; ``function(B)`` returns one
             batch of B samples, ``(x, y)`` or ``(x, y, sample_weight)``.
         target_batch_size: the effective batch wanted (samples per update).
@@ -380,6 +406,8 @@ def plan_accumulation(
         RuntimeError: the build or batch function raised in a probe (its
             traceback in the message); the model does not fit even at the
             smallest B (the message gives the bytes it needed and the budget).
+        NotImplementedError: Keras 3 runs on JAX or torch (before any
+            probe; :func:`check_backend`).
     """
     began = time.perf_counter()
     target_batch_size = _check_positive_int(target_batch_size, "target_batch_size")
@@ -389,6 +417,7 @@ def plan_accumulation(
     start = _check_positive_int(start, "start")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin <= 1:
         raise ValueError(f"`margin` must be a number in (0, 1]. Received: margin={margin!r}.")
+    check_backend()
     load_function(build, "build")
     load_function(batch, "batch")
     if memory_limit is None:

@@ -3,7 +3,8 @@
 from the command line (:func:`accum_optimizer.plan.plan_accumulation`, the
 same arguments). Prints a line per probe, then the table; writes the JSON
 and the plot only once the plan is complete. Exit status 2 for a bad
-argument or a model that does not fit, with the message on stderr."""
+argument, a model that does not fit or a Keras 3 backend other than
+TensorFlow (refused before any probe), with the message on stderr."""
 
 from __future__ import annotations
 

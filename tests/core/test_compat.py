@@ -179,3 +179,27 @@ def test_no_framework_private_method_is_overridden_outside_compat(cls):
             if name.startswith("_") and not name.startswith("__") and any(name in vars(b) for b in framework):
                 hits.append(f"{klass.__module__}.{klass.__qualname__}.{name}")
     assert not hits, "framework private hooks overridden outside _compat/: " + ", ".join(hits)
+
+
+# ------------------------------------------- `python -m accum_optimizer._compat`
+def test_the_listing_command_lists_every_declared_symbol_and_exits_0():
+    """``python -m accum_optimizer._compat`` (docs/contributing.md, the first
+    step of ``make test-nightly``) lists every record its compatibility
+    modules declare, each with its state here, and exits 0 where none is
+    missing (this leg's versions are among those checked)."""
+    import os
+    import subprocess
+
+    for name in ("tf", "keras3", "keras2"):  # what the command imports
+        try:
+            importlib.import_module(f"accum_optimizer._compat.{name}")
+        except ImportError:
+            pass
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run([sys.executable, "-m", "accum_optimizer._compat"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    listed = [line[2:] for line in done.stdout.splitlines() if line.startswith("- ")]
+    assert sorted(listed) == sorted(e.symbol for e in _compat.REGISTRY)
+    assert done.stdout.count("    here: ") == len(_compat.REGISTRY)
+    assert f"{len(_compat.REGISTRY)} private symbols declared, 0 missing here." in done.stdout

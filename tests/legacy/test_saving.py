@@ -183,3 +183,30 @@ def test_slots_read_through_the_wrapper_are_the_inner_optimizers_and_saved_once(
     slots = [k for k, _ in tf.train.list_variables(saved) if "OPTIMIZER_SLOT" in k]
     assert len(slots) == len(model.trainable_variables) * len(names), slots
     assert all("/inner_optimizer/" in k for k in slots), slots
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "wrapped"])
+def test_a_slot_added_with_a_nonstandard_shape_is_saved_and_created_by_the_restore(wrap, tmp_path):
+    """tf_keras' ``testSlotWithNonstandardShapeRestoresBasedOnCheckpoint``
+    through the wrapper: ``add_slot(var, name, shape=...)`` on the optimizer,
+    a ``tf.train.Checkpoint`` save, then a fresh optimizer whose slot the
+    restore creates (it was never added), found by ``get_slot`` with the
+    saved shape and values. The plain optimizer (``wrap=False``) is the
+    reference; the wrapper's slot is the inner optimizer's, saved once."""
+    x = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+    first = _optimizer(wrap)
+    added = first.add_slot(x, "test_slot", "ones", shape=[2, 1])
+    added.assign([[5.0], [7.0]])
+    saved = tf.train.Checkpoint(var=x, optimizer=first).save(os.path.join(str(tmp_path), "ck"))
+    slots = [k for k, _ in tf.train.list_variables(saved) if "test_slot" in k]
+    assert len(slots) == 1, slots
+
+    second = _optimizer(wrap)
+    tf.train.Checkpoint(var=x, optimizer=second).restore(saved).assert_existing_objects_matched()
+    restored = second.get_slot(x, "test_slot")
+    assert restored.shape.as_list() == [2, 1]
+    np.testing.assert_array_equal(restored.numpy(), [[5.0], [7.0]])
+    if wrap:
+        assert first.get_slot(x, "test_slot") is first.inner_optimizer.get_slot(x, "test_slot")
+        assert restored is second.inner_optimizer.get_slot(x, "test_slot")
+        assert "test_slot" in second.get_slot_names()

@@ -6,6 +6,7 @@ from support.families import require
 
 require("legacy")
 
+import copy  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -208,3 +209,77 @@ def test_import_loads_no_keras3_and_registers_the_legacy_wrapper():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built_mid_window"])
+def test_a_deep_copy_trains_like_the_original(built):
+    """``copy.deepcopy`` of the wrapper works as the plain ``OptimizerV2``'s
+    does (it raised: the strategy it keeps cannot be copied): the copy holds
+    copies of the accumulators, counters and inner slots and trains the same
+    model variables. Reference: plain Adam on the large batch (N·B) over the
+    same samples, reached by the copy from the point of copying (mid-window
+    when built: the partial window is copied), and by the original resumed
+    from that point after the copy trained (the copy shares no state with it)."""
+    updates = 2
+    micro_steps = N * updates
+    x, y = R.dense_data(B * micro_steps)
+    reference = R.train(R.dense_model(), L.Adam(0.05), x, y, N * B, updates)
+
+    model = R.dense_model()
+    original = AccumulatingOptimizer(L.Adam(0.05), N)
+
+    def run(optimizer, first, last):
+        step = R.make_train_step(model, optimizer)
+        for s in range(first, last):
+            step(tf.constant(x[s * B:(s + 1) * B]), tf.constant(y[s * B:(s + 1) * B]))
+
+    copied_at = N + 1 if built else 0
+    run(original, 0, copied_at)
+    weights_at_copy = model.get_weights()
+    copied = copy.deepcopy(original)
+    assert type(copied) is type(original) and copied.inner_optimizer is not original.inner_optimizer
+    assert copied.built == built
+
+    run(copied, copied_at, micro_steps)
+    assert R.max_abs_diff(reference.get_weights(), model.get_weights()) <= TOL
+    assert int(copied.iterations.numpy()) == updates
+
+    model.set_weights(weights_at_copy)
+    run(original, copied_at, micro_steps)
+    assert R.max_abs_diff(reference.get_weights(), model.get_weights()) <= TOL
+    assert int(original.iterations.numpy()) == updates
+
+
+class _WithMethods(L.SGD):
+    """A legacy optimizer with public methods of its own, one named like an
+    update entry point of another Keras API."""
+
+    def scaled_learning_rate(self, factor):
+        return float(self.learning_rate.numpy()) * factor
+
+    def apply(self, grads, trainable_variables):  # Keras 3's name: would update at once
+        return self.apply_gradients(zip(grads, trainable_variables))
+
+    def _private_helper(self):
+        return "private"
+
+
+def test_public_methods_of_the_inner_are_reached_but_never_an_update():
+    """A public method of the inner optimizer that the wrapper does not have
+    is called through it (as on the optimizer compiled with); a private one
+    is not; ``apply_gradients``/``minimize`` stay the wrapper's (a
+    micro-step moves nothing: reference, the weights before it), and an
+    inner method named like an update entry point (``apply``) is refused
+    with the reason, before anything moves."""
+    inner = _WithMethods(0.5)
+    opt = AccumulatingOptimizer(inner, N)
+    assert opt.scaled_learning_rate(4.0) == 2.0
+    with pytest.raises(AttributeError, match="_private_helper"):
+        opt._private_helper()
+    model = R.dense_model()
+    before = model.get_weights()
+    with pytest.raises(AttributeError, match="bypassing the accumulation"):
+        opt.apply([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables)
+    opt.apply_gradients(zip([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables))
+    assert R.max_abs_diff(before, model.get_weights()) == 0.0
+    assert int(opt.micro_steps.numpy()) == 1 and int(inner.iterations.numpy()) == 0
