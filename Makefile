@@ -57,15 +57,26 @@ rparen := )
 # only in tf215 (time budget: the planner's tests came in with issue 21).
 TF1_TESTS := --leave-out tf1
 
+# keras-hub (tests/clients/: its tasks trained with the wrapper), one pinned
+# version. On TensorFlow (k3) installed as a user would, with every dependency
+# (tensorflow-text among them). On JAX and torch (k3-jax, k3-torch) without
+# TensorFlow: tensorflow-text, one of its requirements, brings TensorFlow, so
+# keras-hub is installed --no-deps (NODEPS_<leg>, after the leg's install)
+# and KERAS_HUB_DEPS are its other requirements (0.32's METADATA), plus grain,
+# what keras-hub's `fit` batches arrays with where TensorFlow is absent.
+KERAS_HUB      := keras-hub==0.32.*
+KERAS_HUB_DEPS := absl-py numpy packaging regex rich kagglehub!=1.0.1 kagglesdk==0.1.28 sentencepiece tokenizers grain
+
 # ---- per-leg environment: directory, Python, extras, pins, pytest env/args
+# (NODEPS_<leg>: installed with --no-deps after the pins; most legs have none.)
 DIR_k3         := $(VENV)
 PYTHON_k3      := $(PYTHON)
 EXTRAS_k3      := test,demo,keras3,tensorflow
-PINS_k3        := tensorflow==2.21.* keras==3.15.*
+PINS_k3        := tensorflow==2.21.* keras==3.15.* $(KERAS_HUB)
 ENV_k3         :=
 # Everything but the TF1 family's contract cells: the Keras 3 and TF1
 # families' folders, Keras 3's contract cells, core/, the planner, the
-# multi-worker processes and the benchmark smoke run.
+# multi-worker processes, the benchmark smoke run and tests/clients/.
 ARGS_k3        := --leave-out tf1,contract
 
 OLDEST_CONTRACT := $(addprefix tests/contract/test_,$(addsuffix .py,between_updates ema large_batch \
@@ -117,37 +128,42 @@ ENV_tf215      :=
 ARGS_tf215     := --leave-out keras2,windows --leave-out multiworker
 
 # Keras 3 on JAX and torch: the tests written once with keras.ops and NumPy
-# (tests/backends/; k3 runs them on TensorFlow), in venvs without TensorFlow.
+# (tests/backends/, and keras-hub's tasks, tests/clients/; k3 runs them on
+# TensorFlow), in venvs without TensorFlow.
 DIR_k3-jax      := $(VENVS)/k3-jax
 PYTHON_k3-jax   := $(PYTHON)
 EXTRAS_k3-jax   := test,keras3,plan
-PINS_k3-jax     := keras==3.15.* jax[cpu]==0.10.*
+PINS_k3-jax     := keras==3.15.* jax[cpu]==0.10.* $(KERAS_HUB_DEPS)
+NODEPS_k3-jax   := $(KERAS_HUB)
 ENV_k3-jax      := KERAS_BACKEND=jax
-ARGS_k3-jax     := tests/backends tests/docs
+ARGS_k3-jax     := tests/backends tests/clients tests/docs
 
 DIR_k3-torch    := $(VENVS)/k3-torch
 PYTHON_k3-torch := $(PYTHON)
 EXTRAS_k3-torch := test,keras3,plan
 # torch 2.13.0: the CPU build these machines keep on disk (1.1 GB venv, under a
 # minute); any other torch from the index is a CUDA build of 5.5 GB.
-PINS_k3-torch   := keras==3.15.* torch==2.13.0
+PINS_k3-torch   := keras==3.15.* torch==2.13.0 $(KERAS_HUB_DEPS)
+NODEPS_k3-torch := $(KERAS_HUB)
 ENV_k3-torch    := KERAS_BACKEND=torch
-ARGS_k3-torch   := tests/backends tests/docs
+ARGS_k3-torch   := tests/backends tests/clients tests/docs
 
 .PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
 	$(addprefix venv-,$(ALL_LEGS)) $(addprefix test-,$(ALL_LEGS))
 
-# A leg's stamp is named after a checksum of its Python, extras and pins, so
+# A leg's stamp is named after a checksum of its Python, extras and pins
+# (NODEPS too), so
 # changing a pin reinstalls that leg (and only it); editing pyproject.toml
 # reinstalls every leg.
 define LEG_RULES
-STAMP_$(1) := $$(DIR_$(1))/.installed-$$(shell printf '%s' "$$(PYTHON_$(1)) $$(EXTRAS_$(1)) $$(PINS_$(1))" | cksum | cut -d' ' -f1)
+STAMP_$(1) := $$(DIR_$(1))/.installed-$$(shell printf '%s' "$$(PYTHON_$(1)) $$(EXTRAS_$(1)) $$(PINS_$(1))$$(if $$(NODEPS_$(1)), --no-deps $$(NODEPS_$(1)))" | cksum | cut -d' ' -f1)
 
 $$(STAMP_$(1)): pyproject.toml
 	rm -f $$(DIR_$(1))/.installed*
 	$$(PYTHON_$(1)) -m venv $$(DIR_$(1))
 	$$(DIR_$(1))/bin/python -m pip install --quiet --upgrade pip
 	$$(DIR_$(1))/bin/python -m pip install --quiet -e '.[$$(EXTRAS_$(1))]' $$(foreach p,$$(PINS_$(1)),'$$(p)')
+	$$(if $$(NODEPS_$(1)),$$(DIR_$(1))/bin/python -m pip install --quiet --no-deps $$(foreach p,$$(NODEPS_$(1)),'$$(p)'))
 	touch $$@
 
 venv-$(1): $$(STAMP_$(1))
@@ -155,7 +171,7 @@ venv-$(1): $$(STAMP_$(1))
 test-$(1): $$(STAMP_$(1))
 	@echo "==== leg $(1): $$(PINS_$(1)) $$(ENV_$(1))"
 	env -u TF_USE_LEGACY_KERAS KERAS_BACKEND=tensorflow $$(ENV_$(1)) \
-	  ACCUM_LEG=$(1) ACCUM_LEG_PINS='$$(PINS_$(1))' ACCUM_PASSED_OUT=$(VENVS)/.passed-$(1).txt \
+	  ACCUM_LEG=$(1) ACCUM_LEG_PINS='$$(strip $$(PINS_$(1)) $$(NODEPS_$(1)))' ACCUM_PASSED_OUT=$(VENVS)/.passed-$(1).txt \
 	  $$(DIR_$(1))/bin/python -m pytest $$(ARGS_$(1)) $$(PYTEST_ARGS)
 endef
 $(foreach leg,$(sort $(ALL_LEGS) $(LEGS)),$(eval $(call LEG_RULES,$(leg))))

@@ -75,8 +75,9 @@ def strategy():
 
 _FAMILY_FOLDERS = ("keras3", "keras2", "legacy", "tf1")
 # Folders whose tests are another family's: tests/backends/ is Keras 3's on
-# whichever backend runs.
-_FOLDER_FAMILY = {"backends": "keras3"}
+# whichever backend runs, and so is tests/clients/ (libraries built on Keras
+# 3: keras-hub), whose tests also carry `clients`.
+_FOLDER_FAMILY = {"backends": "keras3", "clients": "keras3"}
 
 
 def pytest_addoption(parser):
@@ -95,6 +96,8 @@ def pytest_collection_modifyitems(config, items):
         folder = item.path.parent.name
         if folder in _FAMILY_FOLDERS or folder in _FOLDER_FAMILY:
             item.add_marker(getattr(pytest.mark, _FOLDER_FAMILY.get(folder, folder)))
+            if folder == "clients":
+                item.add_marker(pytest.mark.clients)
         elif folder == "contract":
             item.add_marker(pytest.mark.contract)
     groups = [set(g.split(",")) for g in config.getoption("--leave-out")]
