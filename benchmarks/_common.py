@@ -65,7 +65,7 @@ MODEL_SIZES = {
         "transformer_big": dict(seq_len=128, vocab=4096, dim=512, heads=8, ff=2048, layers=6),
     },
 }
-MODELS = ("cnn", "transformer")  # the small models (the default of --models before issue 11)
+MODELS = ("cnn", "transformer")  # the small models (every profile of benchmarks.memory has them)
 ALL_MODELS = MODELS + ("transformer_wide", "transformer_big")
 TRANSFORMERS = ("transformer", "transformer_wide", "transformer_big")
 

@@ -335,7 +335,7 @@ USE_WEIGHT_DECAY = private(
     "keras",
     "a gated variable's weight decay runs under the cond of its gate, beside its update step "
     "(the TF backend's _apply_weight_decay enters merge_call, which a cond in replica context "
-    "refuses under MirroredStrategy: issue 17, bug 0); whether Keras decays the variable "
+    "refuses under MirroredStrategy); whether Keras decays the variable "
     "(exclude_from_weight_decay) is Keras' own decision",
     CHECKED,
     lambda k: k.optimizers.Optimizer._use_weight_decay,

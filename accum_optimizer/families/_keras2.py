@@ -68,7 +68,7 @@ def by_registered_name(package: Any, config: Any, custom_objects: Any = None) ->
     file, but its ``.h5`` loader resolves the config by ``class_name`` alone
     (the legacy deserializer), where a registered class is not found; its
     current deserializer looks the registered name up first, so the
-    renamed config resolves in both (issue 17, bug 1)."""
+    renamed config resolves in both."""
     if isinstance(config, (list, tuple)):
         return [by_registered_name(package, c, custom_objects) for c in config]
     if not isinstance(config, dict):
