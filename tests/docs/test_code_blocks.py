@@ -69,3 +69,9 @@ def test_block_runs(block, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "support.doc_blocks", block.page, str(block.line)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def test_the_readme_stays_within_250_lines():
+    """The README is the front page: the details live in docs/ (it links them)."""
+    lines = (doc_blocks.ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; move detail into docs/"
