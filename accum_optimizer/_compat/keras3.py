@@ -351,7 +351,7 @@ def decay_one(opt: Any, variable: Any, component: Any) -> None:
         return
     lr = keras.ops.cast(opt.learning_rate, component.dtype)
     wd = keras.ops.cast(opt.weight_decay, component.dtype)
-    component.assign(component - component * wd * lr)
+    opt.assign(component, component - component * wd * lr)
 
 
 def _gated_update_step(opt: Any, gates: dict, variables: dict, cond: Callable) -> Callable:
@@ -380,7 +380,9 @@ def _gated_weight_decay(opt: Any, gates: dict) -> Callable:
     orig = opt._apply_weight_decay
 
     def apply_weight_decay(variables: Any) -> None:
-        orig([v for v in variables if var_key(opt, v) not in gates])
+        ungated = [v for v in variables if var_key(opt, v) not in gates]
+        if ungated:  # (torch's refuses an empty list: torch._foreach_mul_)
+            orig(ungated)
 
     return apply_weight_decay
 

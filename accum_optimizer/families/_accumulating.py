@@ -134,6 +134,12 @@ class Accumulating(_args.Constructor):
     def _after_inner_update(self, window_grads: list) -> None:
         """Called after each call of the inner optimizer."""
 
+    def _writer(self) -> Any:
+        """The optimizer whose ``assign``/``assign_add`` write the window's
+        variables (Keras 3: the wrapper itself, as Keras' optimizers write
+        through their own), or ``None``: the route writes the variables."""
+        return None
+
     def _gate_cond(self) -> Any:
         """The ``cond(pred, true_fn, false_fn)`` that gates the inner
         optimizer's per-variable writes; ``None``: the framework's own."""
@@ -335,10 +341,31 @@ class Accumulating(_args.Constructor):
 
     # --------------------------------------------------------- the update
     def _apply_inner(self, window_grads: list, gates: dict) -> Any:
-        with self._gated(gates):
-            applied = self._update_inner(window_grads, self._build_order)
+        """The one call of the inner optimizer with the window's gradients.
+
+        Where every gate is known now (:meth:`_open_gates`), the variables
+        whose gate is closed are left out of the call, as Keras leaves out a
+        variable whose gradient is ``None``: the inner optimizer's own code
+        then skips their update, slots, weight decay and constraint, whatever
+        route it takes (torch's optimizers update all variables at once,
+        without ``update_step``). Otherwise the inner optimizer's
+        per-variable mutations run under a ``cond`` on each gate
+        (:meth:`_gated`)."""
+        opened = self._open_gates(gates) if gates else None
+        if opened is not None:
+            kept = [i for i in range(len(window_grads)) if opened.get(i, True)]
+            applied = self._update_inner([window_grads[i] for i in kept], [self._build_order[i] for i in kept])
+        else:
+            with self._gated(gates):
+                applied = self._update_inner(window_grads, self._build_order)
         self._after_inner_update(window_grads)
         return applied  # (its op, ordered by the caller in a v1 graph)
+
+    def _open_gates(self, gates: dict) -> dict | None:
+        """``{index: bool}``, each gate's value, where all of them are known
+        when the update is built (not symbolic) and at least one is open;
+        else ``None`` (the gates are applied by :meth:`_gated`)."""
+        return None
 
     @contextlib.contextmanager
     def _gated(self, gates: dict):

@@ -135,6 +135,10 @@ def _torch_no_grad() -> Any:
     return torch.no_grad
 
 
+_TORCH = keras.backend.backend() == "torch"
+_IN_PLACE = {"assign": "copy_", "assign_add": "add_", "assign_sub": "sub_"}
+
+
 def _available(dtype: Any) -> Any:
     """``dtype``, or int32 for int64 on JAX without 64-bit types (its
     default: what Keras' own integer variables hold there; asking for int64
@@ -158,30 +162,23 @@ class KerasOpsBackend:
         state: returns every variable a ``cond`` branch may write (the
             model's trainable variables, the wrapper's and the inner
             optimizer's): what a traced ``cond`` threads through its branches.
+        writer: the optimizer whose ``assign(variable, value)`` and
+            ``assign_add(variable, value)`` make every write (the wrapper:
+            Keras' optimizers write through their own ``assign*``).
     """
 
-    def __init__(self, apply_inner: Callable[[list, dict], Any], state: Callable[[], Sequence[Any]]) -> None:
+    def __init__(self, apply_inner: Callable[[list, dict], Any], state: Callable[[], Sequence[Any]],
+                 writer: Any) -> None:
         self._apply_inner = apply_inner
         self._state = state
-        # torch: write the variable's tensor in place (one pass, no new
-        # tensor, none of keras.Variable.assign's checks per write), as
-        # Keras' own torch optimizer does (torch._foreach_add_ on v.value).
-        self._torch = _torch_no_grad() if keras.backend.backend() == "torch" else None
+        self._writer = writer
 
     # -- the family's variables and inner optimizer
     def assign(self, variable: Any, value: Any) -> Any:
-        if self._torch is not None:
-            with self._torch():
-                variable.value.copy_(_tensor(value))
-            return
-        variable.assign(ops.cast(value, variable.dtype))
+        self._writer.assign(variable, value)
 
     def assign_add(self, variable: Any, value: Any) -> Any:
-        if self._torch is not None:
-            with self._torch():
-                variable.value.add_(_tensor(value))
-            return
-        variable.assign(ops.add(variable.value, ops.cast(value, variable.dtype)))
+        self._writer.assign_add(variable, value)
 
     def cond(self, pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
         """``true_fn()`` if ``pred`` else ``false_fn()``, for branches that
@@ -205,7 +202,7 @@ class KerasOpsBackend:
             return run
 
         for variable, value in zip(state, ops.cond(pred, branch(true_fn), branch(false_fn))):
-            variable.assign(value)
+            self._writer.assign(variable, value)
         return None
 
     def apply_inner(self, window_grads: list, gates: dict) -> Any:
@@ -308,10 +305,44 @@ class Accumulating(_accumulating.Accumulating):
         return list(self._build_order) + list(self.variables)
 
     def _backend(self) -> KerasOpsBackend:
-        return KerasOpsBackend(self._apply_inner, self._state_variables)
+        return KerasOpsBackend(self._apply_inner, self._state_variables, self)
+
+    # Every write of the window goes through these (Keras' optimizers write
+    # through their own `assign*`, which Keras' tests patch). On torch they
+    # write the variable's tensor in place (one pass, no new tensor, none of
+    # keras.Variable.assign's checks per write), as Keras' own torch
+    # optimizers do (torch._foreach_add_ on v.value); elsewhere Keras'.
+    def _write(self, method: str, variable: Any, value: Any) -> None:
+        if _TORCH:
+            with _torch_no_grad()():
+                getattr(variable.value, _IN_PLACE[method])(_tensor(value))
+            return
+        getattr(super(), method)(variable, ops.cast(value, variable.dtype))
+
+    def assign(self, variable: Any, value: Any) -> None:
+        """``variable = value`` (cast to the variable's dtype)."""
+        self._write("assign", variable, value)
+
+    def assign_add(self, variable: Any, value: Any) -> None:
+        """``variable += value`` (cast to the variable's dtype)."""
+        self._write("assign_add", variable, value)
+
+    def assign_sub(self, variable: Any, value: Any) -> None:
+        """``variable -= value`` (cast to the variable's dtype)."""
+        self._write("assign_sub", variable, value)
 
     def _gate_cond(self) -> Callable[[Any, Callable[[], Any], Callable[[], Any]], Any]:
         return self._backend().cond
+
+    def _open_gates(self, gates: dict) -> dict | None:
+        # torch and eager JAX: the gates are values (read with one host
+        # synchronisation); under jax.jit they are traced, and gated by cond.
+        if any(is_traced(g) for g in gates.values()):
+            return None
+        opened = ops.convert_to_numpy(ops.stack([ops.convert_to_tensor(g) for g in gates.values()]))
+        if not opened.any() and len(gates) == len(self._build_order):
+            return None  # (no variable to update: never on a window that holds a micro-step)
+        return {i: bool(o) for i, o in zip(gates, opened)}
 
     def _checked_gradients(self, grads: Sequence[Any], variables: list) -> list:
         checked = []

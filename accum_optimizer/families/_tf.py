@@ -34,19 +34,30 @@ class TFBackend:
     Args:
         apply_inner: ``apply_inner(window_grads, gates)``, the family's one
             call of its inner optimizer (see the protocol).
+        writer: the optimizer whose ``assign(variable, value)`` and
+            ``assign_add(variable, value)`` make the dense writes (the Keras
+            3 wrapper: Keras' optimizers write through their own ``assign*``,
+            which Keras' tests patch), or ``None``: on the ``tf.Variable``.
     """
 
-    def __init__(self, apply_inner: Callable[[list, dict], Any] | None = None) -> None:
+    def __init__(self, apply_inner: Callable[[list, dict], Any] | None = None, writer: Any = None) -> None:
         self._apply_inner = apply_inner
+        self._writer = writer
 
     # -- the family's variables and inner optimizer
     # (On the tf.Variable itself, as Keras 3's own `optimizer.assign` does: a
     # Keras variable's `assign_add` is a read, an add and an assign.)
     def assign(self, variable: Any, value: Any) -> Any:
+        if self._writer is not None:
+            self._writer.assign(variable, tf.cast(value, self.dtype(tf_variable(variable))))
+            return
         variable = tf_variable(variable)
         variable.assign(tf.cast(value, self.dtype(variable)), read_value=False)
 
     def assign_add(self, variable: Any, value: Any) -> Any:
+        if self._writer is not None and not isinstance(value, tf.IndexedSlices):
+            self._writer.assign_add(variable, tf.cast(value, self.dtype(tf_variable(variable))))
+            return
         variable = tf_variable(variable)
         if isinstance(value, tf.IndexedSlices):
             # Scatter into the resource handle: in replica context a

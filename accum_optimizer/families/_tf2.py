@@ -147,7 +147,7 @@ class Accumulating(_accumulating.Accumulating):
     def _backend(self) -> TF2Backend:
         if in_v1_graph():
             return TF2GraphBackend(self._apply_inner)
-        return TF2Backend(self._apply_inner)
+        return TF2Backend(self._apply_inner, self._writer())
 
     def _checked_gradients(self, grads: Sequence[Any], variables: list) -> list:
         grads = as_gradients(grads, variables)
@@ -166,6 +166,14 @@ class Accumulating(_accumulating.Accumulating):
         # in the trace is initialised by a `tf.cond` of its own, lifted out
         # of the graph (41 ms per variable, 17 s of the first trace of
         # `transformer_wide`, whose accumulating optimizer has 413).
+        # Except for a model built in this very trace (its first call, in
+        # `fit` without a strategy): its variables get their values only
+        # when the step runs, and an inner optimizer whose build reads them
+        # (ScheduleFreeAdamW copies them into its momentum) builds in the
+        # trace, as the plain optimizer does.
+        if tf.inside_function() and not initialized_now(variables):
+            self.build(variables)
+            return
         with tf.init_scope():
             self.build(variables)
 
@@ -287,6 +295,13 @@ class Accumulating(_accumulating.Accumulating):
         the accumulators are placed beside their variables by it."""
         self._set_untracked("_strategy", tf.distribute.get_strategy())
 
+
+
+def initialized_now(variables: Sequence[Any]) -> bool:
+    """Do all ``variables`` hold their values outside the function being
+    traced (not created in it, whose run initialises them)?"""
+    with tf.init_scope():
+        return all(bool(tf_variable(v).is_initialized()) for v in variables)
 
 
 def strategy_scope(owner: Any) -> Any:

@@ -487,6 +487,9 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
     def _update_inner(self, grads: list, variables: list) -> None:
         self.inner_optimizer.apply(grads, variables)
 
+    def _writer(self) -> Any:
+        return self
+
     def _install_gates(self, gates: dict) -> Any:
         return compat.install_gates(self.inner_optimizer, self._build_order, gates, self._gate_cond())
 

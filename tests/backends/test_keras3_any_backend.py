@@ -148,6 +148,19 @@ class Loop:
             train_vars, opt_vars = self._step(opt_vars, grads, train_vars, weight)
         self.state = (opt_vars, train_vars)
 
+    def flush(self):
+        """The partial window applied now: ``flush()``, or under ``jit``
+        ``stateless_flush`` on the arrays, written back."""
+        if self.mode == "eager":
+            self.optimizer.flush()
+            return
+        import jax
+
+        opt_vars, train_vars = self.state
+        train_vars, opt_vars = jax.jit(self.optimizer.stateless_flush)(opt_vars, train_vars)
+        self.state = (opt_vars, train_vars)
+        self.sync()
+
     def sync(self):
         if self.mode == "jit":
             opt_vars, train_vars = self.state
@@ -170,7 +183,11 @@ def loop_and_reference(make_inner, mode, steps=N, dtype="float32", **kwargs):
     **kwargs)`` and the reference: copies of its starting variables and a
     plain ``make_inner()`` built on them."""
     loop = Loop(AccumulatingOptimizer(make_inner(), steps, **kwargs), mode, dtype=dtype)
-    ref_vars = [keras.Variable(v.value) for v in loop.variables]
+    # Copies (through NumPy): on torch `keras.Variable(v.value)` shares v's
+    # storage, and the reference would then be the loop's own variables.
+    ref_vars = [keras.Variable(np.array(ops.convert_to_numpy(v))) for v in loop.variables]
+    assert not any(np.shares_memory(ops.convert_to_numpy(r), ops.convert_to_numpy(v))
+                   for r, v in zip(ref_vars, loop.variables))
     reference = make_inner()
     reference.build(ref_vars)
     return loop, ref_vars, reference
@@ -181,6 +198,21 @@ def plain_step(optimizer, variables, grads):
     and their variables left out, as Keras does)."""
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     optimizer.apply([ops.convert_to_tensor(g) for g, _ in pairs], [v for _, v in pairs])
+
+
+def window_and_reference(loop, reference, ref_vars, micro) -> None:
+    """The micro-steps ``micro`` (a window of ``len(micro)``) through the
+    loop, and the reference's plain update with the window gradient: per
+    variable ``Σ gᵢ / len(micro)`` over the micro-steps that had one,
+    ``None`` where none had (``docs/semantics.md``, missing gradients)."""
+    for g in micro:
+        loop.step(g)
+    loop.sync()
+    window = []
+    for i in range(len(ref_vars)):
+        received = [m[i] for m in micro if m[i] is not None]
+        window.append(sum(received) / len(micro) if received else None)
+    plain_step(reference, ref_vars, window)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -209,19 +241,64 @@ def test_missing_gradients_leave_a_variable_untouched_and_gate_the_closing_micro
     micro = [grads_like(ref_vars, i) for i in range(N)]
     for g in micro:
         g[last] = None
-    for g in micro:
-        loop.step(g)
-    plain_step(reference, ref_vars, [None if i == last else sum(m[i] for m in micro) / N
-                                     for i in range(len(ref_vars))])
+    window_and_reference(loop, reference, ref_vars, micro)
     # Window 2: it gets one on the first two micro-steps, none on the closing one.
     micro = [grads_like(ref_vars, 10 + i) for i in range(N)]
     micro[-1][last] = None
-    for g in micro:
-        loop.step(g)
-    loop.sync()
-    plain_step(reference, ref_vars, [sum(m[i] for m in micro if m[i] is not None) / N for i in range(len(ref_vars))])
+    window_and_reference(loop, reference, ref_vars, micro)
     assert max_abs_diff(values(ref_vars), values(loop.variables)) <= TOL
     assert max_abs_diff(values(reference.variables), values(loop.optimizer.inner_optimizer.variables)) <= TOL
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_variable_without_gradient_on_the_closing_micro_step_is_decayed_and_one_without_any_is_untouched(mode):
+    """AdamW's weight decay acts on every variable the window updates, also
+    one whose gradient is ``None`` on the closing micro-step (a multi-task
+    model trained on one head per micro-batch); a variable with no gradient
+    in the whole window is neither decayed nor moved by its non-zero Adam
+    moments. Against the plain AdamW's ``apply`` of the window gradient
+    (``Σ gᵢ / N`` over the micro-steps that had one, ``docs/semantics.md``),
+    which leaves out a variable whose gradient is ``None``, as Keras does."""
+    loop, ref_vars, reference = loop_and_reference(lambda: keras.optimizers.AdamW(0.05, weight_decay=0.2), mode)
+    b = 0  # the first kernel: non-zero, so that its decay shows
+    assert np.abs(values(ref_vars)[b]).min() > 0
+    # Window 1: b gets gradients on micro-steps 1 and 2, none on 3.
+    micro = [grads_like(ref_vars, i) for i in range(N)]
+    micro[-1][b] = None
+    window_and_reference(loop, reference, ref_vars, micro)
+    assert max_abs_diff(values(ref_vars), values(loop.variables)) <= TOL
+    # Window 2: b gets none: not decayed, not moved by its momentum.
+    micro = [grads_like(ref_vars, 10 + i) for i in range(N)]
+    for g in micro:
+        g[b] = None
+    before = values(loop.variables)[b]
+    window_and_reference(loop, reference, ref_vars, micro)
+    assert_bitwise_equal([before], [values(loop.variables)[b]], "a variable without gradients in the window")
+    assert max_abs_diff(values(ref_vars), values(loop.variables)) <= TOL
+    assert max_abs_diff(values(reference.variables), values(loop.optimizer.inner_optimizer.variables)) <= TOL
+
+
+DECAYING = {
+    "AdamW": lambda: keras.optimizers.AdamW(0.05),  # its default weight_decay (0.004)
+    "SGD+weight_decay": lambda: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.2),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(DECAYING))
+def test_flush_with_weight_decay_is_the_plain_update_of_the_partial_window(name, mode):
+    """A full window, then a partial one of 2 micro-steps flushed: two plain
+    updates with the windows' means, weight decay included."""
+    loop, ref_vars, reference = loop_and_reference(DECAYING[name], mode)
+    micro = [grads_like(ref_vars, i) for i in range(N + 2)]
+    for g in micro:
+        loop.step(g)
+    loop.flush()
+    for window in (micro[:N], micro[N:]):
+        plain_step(reference, ref_vars, [sum(gs) / len(window) for gs in zip(*window)])
+    assert max_abs_diff(values(ref_vars), values(loop.variables)) <= TOL
+    assert int(ops.convert_to_numpy(loop.optimizer.iterations)) == 2
+    assert int(ops.convert_to_numpy(loop.optimizer.mini_step)) == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -257,15 +334,7 @@ def test_accumulation_schedule_and_flush(mode):
     micro = [grads_like(ref_vars, 100 + i) for i in range(2)]  # a partial window of 2
     for g in micro:
         loop.step(g)
-    if mode == "jit":
-        import jax
-
-        opt_vars, train_vars = loop.state
-        train_vars, opt_vars = jax.jit(loop.optimizer.stateless_flush)(opt_vars, train_vars)
-        loop.state = (opt_vars, train_vars)
-        loop.sync()
-    else:
-        loop.optimizer.flush()
+    loop.flush()
     plain_step(reference, ref_vars, [sum(gs) / 2 for gs in zip(*micro)])
     assert max_abs_diff(values(ref_vars), values(loop.variables)) <= TOL
     assert int(ops.convert_to_numpy(loop.optimizer.iterations)) == 4
@@ -311,13 +380,46 @@ def test_float16_variables_accumulate_in_float32(mode):
 
 
 # ------------------------------------------------------------ fit's windows
-def test_flush_partial_window_trains_like_the_large_batch_with_its_last_smaller_batch():
+FLUSHED = {
+    "Adam": lambda: keras.optimizers.Adam(0.01),
+    "AdamW": lambda: keras.optimizers.AdamW(0.01),  # its default weight_decay (0.004)
+    "SGD+weight_decay": lambda: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLUSHED))
+def test_flush_partial_window_trains_like_the_large_batch_with_its_last_smaller_batch(name):
     x, y = X[:40], Y[:40]  # 10 micro-batches of 4: 3 windows and one of 1 per epoch
-    reference = fit(keras.optimizers.Adam(0.01), N * B, x=x, y=y)
-    accumulated = fit(AccumulatingOptimizer(keras.optimizers.Adam(0.01), N), B, x=x, y=y,
-                      callbacks=[FlushPartialWindow()])
+    reference = fit(FLUSHED[name](), N * B, x=x, y=y)
+    accumulated = fit(AccumulatingOptimizer(FLUSHED[name](), N), B, x=x, y=y, callbacks=[FlushPartialWindow()])
     assert max_abs_diff(reference.get_weights(), accumulated.get_weights()) <= TOL
     assert int(ops.convert_to_numpy(accumulated.optimizer.iterations)) == 8
+
+
+def test_the_backends_page_fit_example_trains_like_batch_size_128():
+    """``docs/families/backends.md``'s ``fit``: AdamW(1e-3), N = 8,
+    ``batch_size=16``, ``FlushPartialWindow``, sparse categorical
+    cross-entropy; 208 samples, so each epoch ends on a partial window of 5
+    micro-batches (the large batch's last batch of 80)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(208, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(208,))
+
+    def model():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(3, activation="softmax")])
+
+    def train(optimizer, batch_size, callbacks=()):
+        m = model()
+        m.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+        m.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks))
+        return m
+
+    reference = train(keras.optimizers.AdamW(1e-3), 128)
+    accumulated = train(AccumulatingOptimizer(keras.optimizers.AdamW(1e-3), 8), 16, [FlushPartialWindow()])
+    assert max_abs_diff(reference.get_weights(), accumulated.get_weights()) <= TOL
+    assert int(ops.convert_to_numpy(accumulated.optimizer.iterations)) == 4
 
 
 def test_counted_loss_weights_the_window_by_sample_weights():
@@ -558,3 +660,143 @@ def test_pooled_batch_norm_is_the_parent_here_and_refused_by_an_accumulating_opt
                          [ops.convert_to_numpy(v) for v in parent.layers[1].weights])
     with pytest.raises(NotImplementedError, match=f"TensorFlow backend only.*{BACKEND}"):
         AccumulatingOptimizer(keras.optimizers.SGD(0.01), N).build(ours.trainable_variables)
+
+
+# ------------------------------------------- writes through `optimizer.assign*`
+class ScatterUpdateOptimizer(keras.optimizers.Optimizer):
+    """Keras' own test optimizer of ``optimizer_sparse_test.py``."""
+
+    def __init__(self):
+        super().__init__(learning_rate=0.001)
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self.momentums = [self.add_variable_from_reference(v, name="momentum") for v in variables]
+
+    def update_step(self, grad, variable, learning_rate):
+        momentum = self.momentums[self._get_variable_index(variable)]
+        self.assign(momentum, ops.cast(grad, momentum.dtype))
+        self.assign(variable, ops.cast(grad, variable.dtype))
+
+
+# The 19 cases of Keras' `test_sparse_gradients` (keras/src/optimizers/optimizer_sparse_test.py),
+# each the inner optimizer of the wrapper ("loss_scale_optimizer_sgd": the wrapper inside the
+# LossScaleOptimizer, which that test unwraps to patch).
+KERAS_SPARSE_CASES = {
+    "adadelta": lambda: keras.optimizers.Adadelta(),
+    "adafactor": lambda: keras.optimizers.Adafactor(clip_threshold=0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(),
+    "adam": lambda: keras.optimizers.Adam(),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(amsgrad=True),
+    "adamax": lambda: keras.optimizers.Adamax(),
+    "adamw": lambda: keras.optimizers.AdamW(),
+    "adamw_amsgrad": lambda: keras.optimizers.AdamW(amsgrad=True),
+    "ftrl": lambda: keras.optimizers.Ftrl(),
+    "lion": lambda: keras.optimizers.Lion(),
+    "loss_scale_optimizer_sgd": lambda: keras.optimizers.SGD(learning_rate=0.5),
+    "nadam": lambda: keras.optimizers.Nadam(),
+    "rmsprop": lambda: keras.optimizers.RMSprop(),
+    "rmsprop_momentum": lambda: keras.optimizers.RMSprop(momentum=0.05),
+    "rmsprop_momentum_centered": lambda: keras.optimizers.RMSprop(momentum=0.05, centered=True),
+    "sgd": lambda: keras.optimizers.SGD(),
+    "sgd_momentum": lambda: keras.optimizers.SGD(momentum=0.05),
+    "sgd_momentum_nesterov": lambda: keras.optimizers.SGD(momentum=0.05, nesterov=True),
+    "scatter_update": ScatterUpdateOptimizer,
+}
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("sparse", [False, True] if BACKEND == "tensorflow" else [False])
+@pytest.mark.parametrize("case", sorted(KERAS_SPARSE_CASES))
+def test_writes_go_through_the_optimizers_own_assign_methods(case, sparse, steps):
+    """Keras' ``test_sparse_gradients`` mock, with the wrapper as the
+    optimizer it patches: ``Variable.assign``/``assign_add``/``assign_sub``
+    replaced by a two-argument function that fails on a non-scalar variable,
+    the optimizers' ``assign*`` by recorders, ``_apply_weight_decay``
+    patched out. One micro-step (N = 2: the wrapper's own writes; N = 1:
+    the pass-through): no variable is written by its own method, the
+    micro-step counter and (N = 2) the accumulator go through the wrapper's
+    ``assign_add``, and the model variable is not written by the wrapper."""
+    from unittest import mock
+
+    model_variable = keras.Variable(initializer="ones", shape=(5, 10))
+    wrapper = AccumulatingOptimizer(KERAS_SPARSE_CASES[case](), steps)
+    optimizer = keras.optimizers.LossScaleOptimizer(wrapper) if case == "loss_scale_optimizer_sgd" else wrapper
+    if sparse:
+        import tensorflow as tf
+
+        grad = tf.IndexedSlices(0.5 * ops.ones((3, 10)), (0, 2, 4), (5, 10))
+    else:
+        grad = 0.5 * ops.ones((5, 10))
+    variable_class = model_variable._value.__class__ if BACKEND == "tensorflow" else model_variable.__class__
+    wrapper.build([model_variable])
+    inner = wrapper.inner_optimizer
+
+    def mock_variable_assign(variable, value):
+        if len(variable.shape):
+            pytest.fail("`assign`, `assign_add` or `assign_sub` called on a variable directly; "
+                        "use `self.assign/assign_add/assign_sub(variable, value)`.")
+
+    with mock.patch.object(wrapper, "_apply_weight_decay", autospec=True), \
+            mock.patch.object(inner, "_apply_weight_decay", autospec=True), \
+            mock.patch.object(wrapper, "assign", autospec=True) as wrapper_assign, \
+            mock.patch.object(wrapper, "assign_add", autospec=True) as wrapper_assign_add, \
+            mock.patch.object(wrapper, "assign_sub", autospec=True) as wrapper_assign_sub, \
+            mock.patch.object(inner, "assign", autospec=True), \
+            mock.patch.object(inner, "assign_add", autospec=True), \
+            mock.patch.object(inner, "assign_sub", autospec=True), \
+            mock.patch.object(variable_class, "assign", autospec=True) as variable_assign, \
+            mock.patch.object(variable_class, "assign_add", autospec=True) as variable_assign_add, \
+            mock.patch.object(variable_class, "assign_sub", autospec=True) as variable_assign_sub:
+        for m in (variable_assign, variable_assign_add, variable_assign_sub):
+            m.side_effect = mock_variable_assign
+        optimizer.apply([grad], [model_variable])
+
+    def targets(recorder):
+        return [call.args[0] for call in recorder.call_args_list]
+
+    # The model variable is the inner optimizer's to write. (Except where the
+    # window's `cond` is traced, inside JAX's LossScaleOptimizer: it writes
+    # back the whole state it threads through, the model variable unchanged.)
+    traced = BACKEND == "jax" and case == "loss_scale_optimizer_sgd"
+    written = targets(wrapper_assign) + targets(wrapper_assign_add) + targets(wrapper_assign_sub)
+    assert traced or not any(v is model_variable for v in written), "the wrapper wrote the model variable"
+    assert any(v is wrapper.micro_steps for v in targets(wrapper_assign_add))
+    if steps > 1 and not sparse:  # (a sparse gradient is scattered into the accumulator's tensor)
+        assert any(v is wrapper.acc_grads[0] for v in targets(wrapper_assign_add))
+
+
+# --------------------------------------------------------- a torch custom loop
+def torch_loop(model, optimizer, x, y, epochs: int, zero_grad: bool = True) -> None:
+    """The custom loop of ``docs/families/backends.md`` (torch)."""
+    import torch
+
+    loss_fn = keras.losses.MeanSquaredError()
+    for _ in range(epochs):
+        for start in range(0, len(x), B):
+            xb, yb = torch.from_numpy(x[start:start + B]), torch.from_numpy(y[start:start + B])
+            if zero_grad:
+                model.zero_grad()
+            loss = loss_fn(yb, model(xb, training=True))
+            loss.backward()
+            variables = model.trainable_variables
+            optimizer.apply([v.value.grad for v in variables], variables)
+        optimizer.flush()
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="a torch loop: torch only")
+def test_torch_custom_loop_of_the_backends_page_trains_like_the_large_batch():
+    """N = 3 micro-batches of 4 with ``model.zero_grad()`` before each
+    backward pass, ``flush()`` at each epoch's end (40 samples: 3 windows and
+    one of 1 micro-batch per epoch), against ``fit(batch_size=12)``; without
+    ``zero_grad`` torch sums ``.grad`` across micro-steps and training differs."""
+    x, y = X[:40], Y[:40]
+    reference = fit(keras.optimizers.Adam(0.01), N * B, x=x, y=y)
+    model = make_model()
+    torch_loop(model, AccumulatingOptimizer(keras.optimizers.Adam(0.01), N), x, y, epochs=2)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) <= TOL
+    summed = make_model()
+    torch_loop(summed, AccumulatingOptimizer(keras.optimizers.Adam(0.01), N), x, y, epochs=2, zero_grad=False)
+    assert max_abs_diff(reference.get_weights(), summed.get_weights()) > 100 * TOL
