@@ -255,3 +255,13 @@ def distributed(ns: dict) -> None:
     ns.update(tf=tf, keras=keras, np=np, AccumulatingOptimizer=AccumulatingOptimizer, make_model=make_model,
               make_dataset=make_dataset, dataset=make_dataset(), B=64,
               loss_fn=keras.losses.MeanSquaredError(reduction=None))
+
+
+def torch_loop(ns: dict) -> None:
+    """Keras 3 on torch: :func:`classifier` with ``micro_batches`` as torch
+    tensors, and ``epochs = 2``."""
+    import torch
+
+    classifier(ns)
+    ns["micro_batches"] = [(torch.from_numpy(x), torch.from_numpy(y).long()) for x, y in ns["micro_batches"]]
+    ns["epochs"] = 2
