@@ -398,7 +398,8 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         so the weights see the unscaled mean. ``fit`` calls this; a custom
         train step should too, as for a loss scale (without it, the float8
         output-gradient history is kept in micro-batch units, Keras'
-        built-in accumulation's).
+        built-in accumulation's). A ``LossScaleOptimizer`` outside, whose
+        ``scale_loss`` is what ``fit`` calls, divides by N the same way.
 
         Args:
             loss: scalar tensor.
@@ -406,7 +407,11 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         Returns:
             The scaled loss, same dtype.
         """
-        loss = self.inner_optimizer.scale_loss(loss)
+        return self._float8_scaled(self.inner_optimizer.scale_loss(loss))
+
+    def _float8_scaled(self, loss: Any) -> Any:
+        """``loss`` divided by the window's N where :meth:`scale_loss` divides
+        (recorded for the next :meth:`apply`), else ``loss``."""
         steps = self._float8_window_length()
         if steps is None:
             return loss

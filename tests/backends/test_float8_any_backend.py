@@ -152,3 +152,46 @@ def test_flushed_partial_window_forward_state_is_its_smaller_batch_s():
             assert_bitwise_equal([ours[i][1:]], [large[i][1:]], names[i])
         else:
             assert_bitwise_equal([ours[i]], [large[i]], names[i])
+
+
+def test_save_mid_window_and_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    """The window's running maximum of the float8 state is saved with the
+    other accumulators: resumed mid-window, training continues bitwise as
+    if uninterrupted (reference: the uninterrupted run)."""
+    x, y = X[: 6 * B], Y[: 6 * B]  # 6 micro-batches per epoch: epoch 1 ends mid-window
+
+    def fitted(epochs: int, model=None):
+        if model is None:
+            model = float8_model()
+            model.compile(AccumulatingOptimizer(adam(), N), "mse")
+        model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0)
+        return model
+
+    straight = fitted(2)
+    first = fitted(1)
+    assert int(ops.convert_to_numpy(first.optimizer.mini_step)) == 2
+    path = str(tmp_path / "model.weights.h5")
+    first.save_weights(path)
+    resumed = float8_model()
+    resumed.compile(AccumulatingOptimizer(adam(), N), "mse")
+    resumed.load_weights(path)
+    fitted(1, resumed)
+    values = lambda vs: [np.array(ops.convert_to_numpy(v)) for v in vs]  # noqa: E731
+    assert_bitwise_equal(values(straight.variables), values(resumed.variables), "model.variables")
+    assert_bitwise_equal(values(straight.optimizer.variables), values(resumed.optimizer.variables), "state")
+
+
+def test_under_mixed_float16_the_loss_scale_optimizer_outside_divides_by_n_too():
+    """``compile`` puts a ``LossScaleOptimizer`` outside, and ``fit`` calls
+    its ``scale_loss``, not the wrapper's: it divides by N there as well, so
+    the float8 state after one window is still bitwise the large batch's
+    (same policy, same initial loss scale 2**15, which multiplies the large
+    batch's output gradients as it does the micro-batches')."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        names, large = trained("large", sgd, N * B)
+        _, ours = trained("ours", sgd, N * B)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for i in float8_state(names):
+        assert_bitwise_equal([ours[i]], [large[i]], names[i])
