@@ -13,7 +13,7 @@ One call of :func:`micro_step` is one micro-step:
 3. If ``mini_step`` reaches the window's N (:func:`window_length`):
    :func:`close_window` calls the inner optimizer once with the window's
    gradient (``Σ cᵢ·gᵢ / Σ cᵢ`` for ``"mean"``, ``Σ cᵢ·gᵢ`` for ``"sum"``),
-   gated per variable by ``grad_received``; a ``"max"`` variable gets its
+   gated per variable by ``grad_received`` (a ``"max"`` variable gets its
    window maximum as is), then zeroes the accumulators,
    ``window_weight``, ``mini_step`` and ``grad_received``; then the state's
    ``followers`` end their windows too (BatchNorm's pooled statistics). Otherwise nothing
