@@ -263,6 +263,35 @@ def hook_stateless_non_finite_branch(outer: Any, owner: Any, on_skip: Callable[[
     _hook(outer, owner, STATELESS_NON_FINITE_BRANCH, "_stateless_handle_non_finite_grads", wrap)
 
 
+SCALE_LOSS = private(
+    "keras.optimizers.LossScaleOptimizer.scale_loss (replaced on the instance)",
+    "keras",
+    "LossScaleOptimizer.scale_loss multiplies by its own scale and does not call its inner optimizer's: "
+    "under float8 training a wrapper inside also divides the micro-batch loss by N there, so that the "
+    "output-gradient amax history is the large batch's (docs/mixed-precision.md#float8)",
+    CHECKED,
+    lambda k: k.optimizers.LossScaleOptimizer.scale_loss,
+)
+
+
+def hook_scale_loss(outer: Any, owner: Any, then: Callable[[Any], Any]) -> None:
+    """Make ``outer.scale_loss(loss)`` return ``then(outer's own result)``
+    (once per ``owner``: hooking twice is a no-op).
+
+    Raises:
+        PrivateSymbolMissing: this Keras has no such method.
+    """
+
+    def wrap(original: Callable, owner_ref: Any) -> Callable:
+        def scale_loss(loss: Any) -> Any:
+            scaled = original(loss)
+            return scaled if owner_ref() is None else then(scaled)
+
+        return scale_loss
+
+    _hook(outer, owner, SCALE_LOSS, "scale_loss", wrap)
+
+
 # --------------------------------------------------------------- gating
 APPLY_WEIGHT_DECAY = private(
     "keras.optimizers.Optimizer._apply_weight_decay and update_step (replaced on the instance "

@@ -13,6 +13,7 @@ Nothing here imports a framework: a new family or backend supplies a
 """
 
 from accum_optimizer.core.state import (
+    COMBINES,
     NONFINITE_POLICIES,
     ONE_REPLICA,
     REDUCTIONS,
@@ -33,6 +34,7 @@ from accum_optimizer.core.window import (
 )
 
 __all__ = [
+    "COMBINES",
     "NONFINITE_POLICIES",
     "ONE_REPLICA",
     "REDUCTIONS",

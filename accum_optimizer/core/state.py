@@ -73,6 +73,15 @@ class WindowState:
             whenever a window ends (its update, a discard, a flush), after
             the update, inside the branch that ends it (the pooled statistics
             of ``accum_optimizer.layers.BatchNormalization``).
+        combine: per variable, how its micro-step values make the window's
+            (one of :data:`COMBINES`): ``"reduction"``, the window gradient
+            of ``Rules.reduction`` (weighted, summed, divided); ``"max"``,
+            the element-wise maximum of the values the variable received in
+            the window, handed to the inner optimizer as is (no weight, no
+            division): state that the large batch overwrites with a value
+            computed over all its samples, not a gradient (Keras 3's
+            ``overwrite_with_gradient`` variables: float8 scales and amax
+            histories). ``None``: ``"reduction"`` for every variable.
     """
 
     acc_grads: Sequence[Any]
@@ -88,6 +97,12 @@ class WindowState:
     skipped_windows: Any = None
     window_poisoned: Any = None
     followers: Sequence[Callable[[], Any]] = ()
+    combine: Sequence[str] | None = None
+
+    def combined_by_max(self, i: int) -> bool:
+        """Is variable ``i``'s window the element-wise maximum of its
+        micro-step values (see :attr:`combine`)?"""
+        return self.combine is not None and self.combine[i] == "max"
 
     def rows_tracker(self, i: int) -> Any:
         """Variable ``i``'s row tracker, or ``None``."""
@@ -101,6 +116,8 @@ class WindowState:
 
 NONFINITE_POLICIES = ("propagate", "skip_micro_step", "skip_window")
 REDUCTIONS = ("mean", "sum")
+COMBINES = ("reduction", "max")
+"""The per-variable rules of :attr:`WindowState.combine`."""
 
 
 def skip_counters(nonfinite: str) -> tuple[str, ...]:
@@ -231,6 +248,10 @@ class Backend(Protocol):
     def less(self, x: Any, y: Any) -> Any: ...
     def logical_and(self, x: Any, y: Any) -> Any: ...
     def maximum(self, x: Any, y: Any) -> Any: ...
+    def where(self, pred: Any, x: Any, y: Any) -> Any:
+        """``x`` where the boolean ``pred`` holds, else ``y`` (element-wise,
+        ``pred`` broadcast)."""
+
     def reduce_max(self, x: Any) -> Any:
         """The largest element of ``x`` (a scalar)."""
 

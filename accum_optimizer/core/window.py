@@ -6,12 +6,15 @@ One call of :func:`micro_step` is one micro-step:
    (a scatter-add for a sparse gradient, never a densification; ``c`` is the
    micro-step's ``weight``, its count; without one, no multiplication),
    ``window_weight += c`` (1 without a weight); where rows are tracked, the
-   rows the gradient touched are marked.
+   rows the gradient touched are marked. A variable combined by ``"max"``
+   (``WindowState.combine``: float8 scaling state) instead keeps the
+   element-wise maximum of its values in the window, unweighted.
 2. ``micro_steps += 1``, ``mini_step += 1``, ``grad_received |= mask``.
 3. If ``mini_step`` reaches the window's N (:func:`window_length`):
    :func:`close_window` calls the inner optimizer once with the window's
    gradient (``Σ cᵢ·gᵢ / Σ cᵢ`` for ``"mean"``, ``Σ cᵢ·gᵢ`` for ``"sum"``),
-   gated per variable by ``grad_received``, then zeroes the accumulators,
+   gated per variable by ``grad_received`` (a ``"max"`` variable gets its
+   window maximum as is), then zeroes the accumulators,
    ``window_weight``, ``mini_step`` and ``grad_received``; then the state's
    ``followers`` end their windows too (BatchNorm's pooled statistics). Otherwise nothing
    else happens: the model weights and every variable of the inner optimizer
@@ -129,11 +132,21 @@ def accumulate(b: Backend, state: WindowState, grads: Sequence[Any], weight: Any
     # them and for the weight's checks (under a strategy this runs in each
     # replica's thread, outside the caller's ordering scope).
     done = []
+    received = None
     for i, (acc, grad) in enumerate(zip(state.acc_grads, grads)):
         if grad is None:
             continue
         with b.after([grad, weight]):
             g = b.cast_gradient(grad, b.dtype(acc))
+            if state.combined_by_max(i):
+                # The window's first value as is, then the element-wise
+                # maximum (unweighted: a micro-batch of count 0 still ran its
+                # forward pass, as its samples do in the large batch).
+                if received is None:
+                    received = b.read(state.grad_received)
+                first = b.equal(received[i], 0)
+                done.append(b.assign(acc, b.where(first, g, b.maximum(b.read(acc), g))))
+                continue
             done.append(b.assign_add(acc, g if weight is None else b.scale(g, weight)))
             tracker = state.rows_tracker(i)
             if tracker is None:
@@ -270,16 +283,19 @@ def close_window(
 def apply_window(
     b: Backend, state: WindowState, sparse: Sequence[bool], mask: Sequence[int], divisor: Any, reduction: str
 ) -> list:
-    """In each replica: the inner update with the window's gradients, then
-    the accumulators zeroed (only the touched rows of a sparse window)."""
+    """In each replica: the inner update with the window's gradients (a
+    ``"max"`` variable's window maximum as is), then the accumulators zeroed
+    (only the touched rows of a sparse window)."""
     rows = [b.touched(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
     handed = [r if r is not None and state.hands_sparse(i) else None for i, r in enumerate(rows)]
     dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
     if divisor is LOCAL_COUNT:
         divisor = b.read(state.window_weight)  # this replica's
     window = [
-        b.cast_gradient(window_gradient(b, acc, divisor, reduction, r), dtype)
-        for acc, r, dtype in zip(state.acc_grads, handed, dtypes)
+        b.cast_gradient(
+            b.read(acc) if state.combined_by_max(i) else window_gradient(b, acc, divisor, reduction, r), dtype
+        )
+        for i, (acc, r, dtype) in enumerate(zip(state.acc_grads, handed, dtypes))
     ]
     received = b.read(state.grad_received) if not all(mask) else None
     gates = {i: b.greater(received[i], 0) for i, m in enumerate(mask) if not m}

@@ -234,7 +234,13 @@ class Accumulating(_args.Constructor):
             skipped_windows=getattr(self, "skipped_windows", None),
             window_poisoned=getattr(self, "window_poisoned", None),
             followers=tuple(self.__dict__.get("_window_followers", ())),
+            combine=self._combine(),
         )
+
+    def _combine(self) -> list | None:
+        """Per variable in build order, its ``WindowState.combine`` rule, or
+        ``None``: every variable's window is its gradient's."""
+        return None
 
     def _rules(self, weighted: bool | None = None) -> core.Rules:
         return core.Rules(

@@ -234,6 +234,7 @@ class KerasOpsBackend:
     def maximum(x: Any, y: Any) -> Any:
         return ops.maximum(ops.convert_to_tensor(x), y)
 
+    where = staticmethod(ops.where)
     equal = staticmethod(ops.equal)
     greater = staticmethod(ops.greater)
     greater_equal = staticmethod(ops.greater_equal)

@@ -106,6 +106,7 @@ class TFBackend:
     less = staticmethod(tf.less)
     logical_and = staticmethod(tf.logical_and)
     maximum = staticmethod(tf.maximum)
+    where = staticmethod(tf.where)
     reduce_max = staticmethod(tf.reduce_max)
     floormod = staticmethod(tf.math.floormod)
     divide = staticmethod(tf.math.truediv)  # what `x / y` is for tensors

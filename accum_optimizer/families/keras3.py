@@ -17,12 +17,14 @@ order, gating, pass-through, flush) is
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
+import weakref
 from typing import Any, Iterable, Sequence
 
 import keras
 
-from accum_optimizer import _args, _compat, core
+from accum_optimizer import _args, _compat, core, counting
 from accum_optimizer._compat import keras3 as compat
 from accum_optimizer.families._accumulating import deserialize_schedule, serialize_schedule, variable_name
 from accum_optimizer.families.keras3_saving import Keras3Saving
@@ -255,9 +257,10 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         creates as plain attributes (Nadam's ``_u_product``) stay tracked and
         saved.
 
-        Raises:
-            ValueError: a variable has ``overwrite_with_gradient=True`` (float8
-                scaling state, not a gradient).
+        Variables with ``overwrite_with_gradient=True`` (the scales and amax
+        histories of ``model.quantize("float8")``) are accumulated by
+        element-wise maximum and overwritten once per window
+        (``WindowState.combine``; see :meth:`scale_loss`).
         """
         if self.built:
             # LossScaleOptimizer.build builds its inner optimizer again even
@@ -268,13 +271,6 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         var_list = list(var_list)
         if self._accumulates:
             self._check_strategy_at_build()
-            for v in var_list:
-                if getattr(v, "overwrite_with_gradient", False):
-                    raise ValueError(
-                        "AccumulatingOptimizer does not support variables with "
-                        f"`overwrite_with_gradient=True` (received {variable_name(v)!r}); "
-                        "these carry float8 scaling state rather than gradients."
-                    )
         self._set_build_order(var_list)
         with keras.name_scope(self.name, caller=self):
             if self._accumulates:
@@ -385,7 +381,86 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         return compat.hidden_from_saving_walk(super().__dir__())
 
     def scale_loss(self, loss: Any) -> Any:
-        return self.inner_optimizer.scale_loss(loss)
+        """The inner optimizer's ``scale_loss(loss)``; for a model with
+        float8 layers (variables with ``overwrite_with_gradient=True``,
+        built, accumulating, ``reduction="mean"``) also divided by the
+        window's N.
+
+        A float8 layer records the largest output gradient of each step in
+        its ``outputs_grad_amax_history`` and scales the next steps' output
+        gradients by it. The large batch's loss is a mean over ``N·B``
+        samples, a micro-batch's over ``B``: its output gradients are ``N``
+        times the large batch's. Divided by N, the micro-batch's backward
+        pass sees the large batch's units, so the window's maximum is the
+        large batch's amax and the output gradients are quantized with the
+        large batch's scale. The next :meth:`apply` in the same train step
+        multiplies the other gradients back by N (float8 state excepted),
+        so the weights see the unscaled mean. ``fit`` calls this; a custom
+        train step should too, as for a loss scale (without it, the float8
+        output-gradient history is kept in micro-batch units, Keras'
+        built-in accumulation's). A ``LossScaleOptimizer`` outside, whose
+        ``scale_loss`` is what ``fit`` calls, divides by N the same way.
+
+        Args:
+            loss: scalar tensor.
+
+        Returns:
+            The scaled loss, same dtype.
+        """
+        return self._float8_scaled(self.inner_optimizer.scale_loss(loss))
+
+    def _float8_scaled(self, loss: Any) -> Any:
+        """``loss`` divided by the window's N where :meth:`scale_loss` divides
+        (recorded for the next :meth:`apply`), else ``loss``."""
+        steps = self._float8_window_length()
+        if steps is None:
+            return loss
+        _LOSS_SCALED.record = (weakref.ref(self), counting._graph())
+        return keras.ops.divide(loss, keras.ops.cast(steps, loss.dtype))
+
+    def _float8_window_length(self) -> Any:
+        """N of the current window (int, or an int tensor under a schedule)
+        if :meth:`scale_loss` divides by it, else ``None``."""
+        if not (self.built and self._accumulates and self.reduction == "mean"):
+            return None
+        if not any(_overwritten(v) for v in self._build_order):
+            return None
+        return core.window_length(self._backend(), self._rules(), self._window_state())
+
+    def _take_loss_scale(self) -> Any:
+        """The N :meth:`scale_loss` divided this train step's loss by (same
+        thread and graph), taken once; else ``None``."""
+        record = getattr(_LOSS_SCALED, "record", None)
+        if record is None or record[0]() is not self or not any(record[1] is g for g in counting._graphs()):
+            return None
+        _LOSS_SCALED.record = None
+        return self._float8_window_length()
+
+    def _combine(self) -> list | None:
+        """``"max"`` for the variables with ``overwrite_with_gradient=True``
+        (float8 scales and amax histories: the window's maximum is the large
+        batch's), if any; ``None`` otherwise."""
+        combine = ["max" if _overwritten(v) else "reduction" for v in self._build_order]
+        return combine if "max" in combine else None
+
+    def _checked_gradients(self, grads: Sequence[Any], variables: list) -> list:
+        grads = super()._checked_gradients(grads, variables)
+        steps = self._take_loss_scale()
+        if steps is None:
+            return grads
+        b = self._backend()  # undo scale_loss's 1/N (float8 state is a value, not a gradient)
+        return [g if g is None or _overwritten(v) else b.scale(g, steps) for g, v in zip(grads, variables)]
+
+    def _apply_inner(self, window_grads: list, gates: dict) -> Any:
+        # Keras overwrites a float8 variable with its "gradient" outside
+        # update_step, past the gates: one without a value in the window is
+        # overwritten with its own.
+        window_grads = list(window_grads)
+        for i, gate in gates.items():
+            v = self._build_order[i]
+            if _overwritten(v):
+                window_grads[i] = keras.ops.where(gate, window_grads[i], v.value)
+        return super()._apply_inner(window_grads, gates)
 
     # What Keras' own code reads (or writes) on whatever optimizer it is given,
     # unwrapping `inner_optimizer` at most once (LossScaleOptimizer, the
@@ -509,6 +584,16 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         config = deserialize_schedule(keras, dict(config), custom_objects)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+_LOSS_SCALED = threading.local()
+"""``record``: (the optimizer, the graph) of the last :meth:`AccumulatingOptimizer.scale_loss`
+that divided by N, until its ``apply`` takes it."""
+
+
+def _overwritten(variable: Any) -> bool:
+    """Does Keras overwrite ``variable`` with its gradient (float8 state)?"""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def _validate_accumulator_dtype(value: Any) -> str | None:

@@ -42,8 +42,9 @@ class Keras3Saving:
     def _attach_outer(self, outer: Any) -> None:
         """Remember the ``LossScaleOptimizer`` outside (weakly, untracked: it
         is not this optimizer's state to save as a child), restore its state
-        if it was saved with this optimizer's, and, for a skipping policy,
-        learn of the micro-steps it skips."""
+        if it was saved with this optimizer's, make its ``scale_loss`` divide
+        by N for float8 training (see ``scale_loss``) and, for a skipping
+        policy, learn of the micro-steps it skips."""
         if outer is None:
             return
         self.__dict__["_outer_ref"] = weakref.ref(outer)
@@ -51,6 +52,8 @@ class Keras3Saving:
             state, self.__dict__["_deferred_outer_state"] = self._deferred_outer_state, None
             with self._outside_functions():
                 self._load_outer_state(state)
+        # (float8: its scale_loss divides by N, as this optimizer's own does)
+        compat.hook_scale_loss(outer, self, self._float8_scaled)
         if self.nonfinite != "propagate":
             compat.hook_non_finite_branch(outer, self, self._outer_skipped_micro_step)
             compat.hook_stateless_non_finite_branch(outer, self, self._outer_skipped_micro_step)

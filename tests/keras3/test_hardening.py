@@ -441,11 +441,30 @@ def test_pass_through_accepts_overwrite_with_gradient_variables():
     np.testing.assert_array_equal(results[1][1], np.full(3, 5.0, "float32"))
 
 
-def test_overwrite_with_gradient_variables_are_refused_when_accumulating():
+def test_overwrite_with_gradient_variables_take_the_window_maximum_once_per_window():
+    # Reference by hand: an overwrite_with_gradient variable (float8 state)
+    # is overwritten once per window with the element-wise maximum of the
+    # values it received (the large batch's amax over its samples), never
+    # weighted or divided; untouched between updates; a window where it got
+    # no value (the gate) leaves it as it is; a flushed window takes the
+    # maximum of what it holds. The ordinary variable gets the mean.
     v, s = _float8_like_variables()
-    opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), 2)
-    with pytest.raises(ValueError, match="overwrite_with_gradient"):
-        opt.build([v, s])
+    opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), 3)
+    micro = [(tf.fill((3,), 1.0), tf.constant([-4.0, 2.0, 0.5])),
+             (tf.fill((3,), 2.0), tf.constant([-5.0, 1.0, 3.0])),
+             (tf.fill((3,), 3.0), None)]  # (s gets no value on the closing micro-step)
+    for g, h in micro[:2]:
+        opt.apply([g, h] if h is not None else [g], [v, s] if h is not None else [v], weight=2.0)
+        np.testing.assert_array_equal(s.numpy(), np.zeros(3, "float32"))
+    opt.apply([micro[2][0]], [v])
+    np.testing.assert_array_equal(s.numpy(), np.array([-4.0, 2.0, 3.0], "float32"))
+    np.testing.assert_allclose(v.numpy(), 1.0 - 0.1 * (2 * 1.0 + 2 * 2.0 + 3.0) / 5.0, rtol=1e-6)
+    for _ in range(3):  # a window without a value for s: s stays
+        opt.apply([tf.ones(3)], [v])
+    np.testing.assert_array_equal(s.numpy(), np.array([-4.0, 2.0, 3.0], "float32"))
+    opt.apply([tf.ones(3), tf.constant([7.0, -1.0, -2.0])], [v, s])
+    opt.flush()
+    np.testing.assert_array_equal(s.numpy(), np.array([7.0, -1.0, -2.0], "float32"))
 
 
 def test_gradient_accumulation_steps_is_read_only_after_construction():

@@ -148,6 +148,13 @@ FEATURES = [
         "tf1": NA("TF1 graph code has no Keras BatchNormalization layer of its own (`tf.compat.v1.layers` "
                   "batch normalization updates through UPDATE_OPS, outside the optimizer)"),
     }),
+    Feature("float8 training (`model.quantize(\"float8\")`): scales and amax histories once per window, "
+            "equal to the large batch's", {
+        "keras3": "backends/test_float8_any_backend.py::test_one_window_float8_state_is_bitwise_the_large_batch_s",
+        "keras2": NA("Keras 2 has no float8 layers (`overwrite_with_gradient` variables are Keras 3's)"),
+        "legacy": NA("Keras 2 has no float8 layers (`overwrite_with_gradient` variables are Keras 3's)"),
+        "tf1": NA("TF1 graph code has no float8 layers"),
+    }),
     Feature("checkpoints saved by earlier versions resume bitwise", {
         "keras3": "contract/test_saved_checkpoints.py::test_resumes_saved_checkpoint_bitwise",
         "keras2": "contract/test_saved_checkpoints.py::test_resumes_saved_checkpoint_bitwise",
