@@ -14,19 +14,27 @@ weights and see the same samples in the same order:
 Under ``mixed_float16`` ``compile`` wraps each optimizer in a
 ``LossScaleOptimizer``. The table gives the max absolute weight difference
 from the reference, the tolerance ``tests/keras3/test_mixed_precision.py`` asserts
-for that case (``tests/support/reference.py: mixed_precision_tolerance``, n/a where a
+for that case (``tests/support/precision.py: mixed_precision_tolerance``, n/a where a
 learning-rate schedule makes it inapplicable), and how far the weights moved.
 Run::
 
     .venv/bin/python -m benchmarks.mixed_precision [--out bench_output] [--updates 20]
+    .venvs/k3-jax/bin/python -m benchmarks.mixed_precision --backend jax --out docs/benchmarks/backends
+
+``--backend jax|torch`` (default: ``KERAS_BACKEND``, else tensorflow) runs the
+same fits on that Keras backend (no TensorFlow needed; a venv with it:
+``.venvs/k3-jax``, ``.venvs/k3-torch``), each ``fit`` with
+``jit_compile=False`` as on TensorFlow.
 
 It writes ``mixed_precision.json`` (raw figures, versions) and
-``mixed_precision.md`` (the table).
+``mixed_precision.md`` (the table); ``mixed_precision_jax.*``,
+``mixed_precision_torch.*`` for the other backends.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -100,14 +108,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_output", help="output folder (default: bench_output)")
     parser.add_argument("--updates", type=int, default=20, help="updates per run (default: 20)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
+                        default=os.environ.get("KERAS_BACKEND") or "tensorflow",
+                        help="the Keras backend (default: KERAS_BACKEND, else tensorflow)")
     args = parser.parse_args(argv)
+    if args.updates < 1:
+        parser.error(f"--updates={args.updates}: expected an int >= 1")
+    C.select_backend(parser, args.backend)
     env = C.static_env()
+    env.update(C.tf_env() if args.backend == "tensorflow" else C.backend_env(args.backend))
     warnings.filterwarnings("ignore", message=".*shuffle=True.*")
 
     import numpy as np
 
     sys.path.insert(0, str(C.REPO_ROOT / "tests"))
-    from support.reference import epsilon_16, mixed_precision_tolerance  # the tests' tolerance
+    from support.precision import epsilon_16, mixed_precision_tolerance  # the tests' tolerance (NumPy only)
 
     from accum_optimizer import AccumulatingOptimizer
 
@@ -147,18 +162,20 @@ def main(argv=None) -> int:
     headers = ["policy", "inner optimizer", "accum_optimizer", "Keras built-in", "test tolerance",
                "batch N·B vs float32", "weights moved"]
     title = (f"max |weights - same policy at batch {N * B}| after {args.updates} updates "
-             f"(N={N}, B={B}, model.fit)")
+             f"(N={N}, B={B}, model.fit{'' if args.backend == 'tensorflow' else ', Keras on ' + args.backend})")
     print(title)
     print(C.format_table(headers, rows))
     out = Path(args.out)
-    command = " ".join([".venv/bin/python", "-m", "benchmarks.mixed_precision",
-                        *(argv if argv is not None else sys.argv[1:])])
-    C.write_json(out / "mixed_precision.json", C.clean_floats(
-        {"N": N, "B": B, "updates": args.updates, "results": results, "env": {**env, **C.tf_env()},
-         "command": command}))
-    (out / "mixed_precision.md").write_text(
+    python = ".venv/bin/python" if args.backend == "tensorflow" else f".venvs/k3-{args.backend}/bin/python"
+    command = " ".join([python, "-m", "benchmarks.mixed_precision", *(argv if argv is not None else sys.argv[1:])])
+    data = {"N": N, "B": B, "updates": args.updates, "results": results, "env": env, "command": command}
+    if args.backend != "tensorflow":
+        data["backend"] = args.backend
+    name = "mixed_precision" if args.backend == "tensorflow" else f"mixed_precision_{args.backend}"
+    C.write_json(out / f"{name}.json", C.clean_floats(data))
+    (out / f"{name}.md").write_text(
         f"{title}\n\n{C.format_table(headers, rows, markdown=True)}\n\nProduced by `{command}`.\n")
-    prog.note(f"wrote {out / 'mixed_precision.json'}, {out / 'mixed_precision.md'}")
+    prog.note(f"wrote {out / f'{name}.json'}, {out / f'{name}.md'}")
     return 0
 
 
