@@ -23,8 +23,11 @@ Run::
 
 ``--backend jax|torch`` (default: ``KERAS_BACKEND``, else tensorflow) runs the
 same fits on that Keras backend (no TensorFlow needed; a venv with it:
-``.venvs/k3-jax``, ``.venvs/k3-torch``), each ``fit`` with
-``jit_compile=False`` as on TensorFlow.
+``.venvs/k3-jax``, ``.venvs/k3-torch``), each ``fit`` compiled the
+backend's default way, as ``benchmarks.overhead --backend`` times it: XLA
+on JAX (``jit_compile=True``; JAX eager takes about 15 minutes on 2 CPU
+cores), eager on torch; on TensorFlow a ``tf.function`` without XLA
+(``jit_compile=False``).
 
 It writes ``mixed_precision.json`` (raw figures, versions) and
 ``mixed_precision.md`` (the table); ``mixed_precision_jax.*``,
@@ -72,7 +75,7 @@ def _model(seed=0):
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
 
 
-def _fit(policy, optimizer, x, y, batch, record=False):
+def _fit(policy, optimizer, x, y, batch, record=False, jit_compile=False):
     import keras
     import numpy as np
 
@@ -91,7 +94,7 @@ def _fit(policy, optimizer, x, y, batch, record=False):
     keras.mixed_precision.set_global_policy(policy)
     try:
         model = _model()
-        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
         model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[Record()] if record else [])
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -130,15 +133,16 @@ def main(argv=None) -> int:
     x = rng.normal(size=(N * B * args.updates, 6)).astype("float32")
     y = rng.normal(size=(N * B * args.updates, 3)).astype("float32")
     optimizers = _optimizers()
+    jit = args.backend == "jax"  # each backend's default: XLA on JAX, eager on torch; TF: no XLA
     prog = C.Progress("mixed_precision", len(POLICIES) * len(optimizers))
     rows, results = [], []
     for policy in POLICIES:
         for name, make in optimizers.items():
             t0 = time.perf_counter()
-            ref, history = _fit(policy, make(), x, y, N * B, record=True)
-            ours, _ = _fit(policy, AccumulatingOptimizer(make(), N), x, y, B)
-            builtin, _ = _fit(policy, make(gradient_accumulation_steps=N), x, y, B)
-            in_float32, _ = _fit("float32", make(), x, y, N * B)
+            ref, history = _fit(policy, make(), x, y, N * B, record=True, jit_compile=jit)
+            ours, _ = _fit(policy, AccumulatingOptimizer(make(), N), x, y, B, jit_compile=jit)
+            builtin, _ = _fit(policy, make(gradient_accumulation_steps=N), x, y, B, jit_compile=jit)
+            in_float32, _ = _fit("float32", make(), x, y, N * B, jit_compile=jit)
             initial = [np.asarray(w.numpy(), np.float64) for w in _model().weights]
             config = make().get_config()
             tolerance = None
@@ -162,7 +166,8 @@ def main(argv=None) -> int:
     headers = ["policy", "inner optimizer", "accum_optimizer", "Keras built-in", "test tolerance",
                "batch N·B vs float32", "weights moved"]
     title = (f"max |weights - same policy at batch {N * B}| after {args.updates} updates "
-             f"(N={N}, B={B}, model.fit{'' if args.backend == 'tensorflow' else ', Keras on ' + args.backend})")
+             f"(N={N}, B={B}, model.fit{'' if args.backend == 'tensorflow' else ', Keras on ' + args.backend}"
+             f"{', jit_compile' if jit else ''})")
     print(title)
     print(C.format_table(headers, rows))
     out = Path(args.out)
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
     command = " ".join([python, "-m", "benchmarks.mixed_precision", *(argv if argv is not None else sys.argv[1:])])
     data = {"N": N, "B": B, "updates": args.updates, "results": results, "env": env, "command": command}
     if args.backend != "tensorflow":
-        data["backend"] = args.backend
+        data.update(backend=args.backend, jit_compile=jit)
     name = "mixed_precision" if args.backend == "tensorflow" else f"mixed_precision_{args.backend}"
     C.write_json(out / f"{name}.json", C.clean_floats(data))
     (out / f"{name}.md").write_text(
