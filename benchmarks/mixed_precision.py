@@ -14,19 +14,30 @@ weights and see the same samples in the same order:
 Under ``mixed_float16`` ``compile`` wraps each optimizer in a
 ``LossScaleOptimizer``. The table gives the max absolute weight difference
 from the reference, the tolerance ``tests/keras3/test_mixed_precision.py`` asserts
-for that case (``tests/support/reference.py: mixed_precision_tolerance``, n/a where a
+for that case (``tests/support/precision.py: mixed_precision_tolerance``, n/a where a
 learning-rate schedule makes it inapplicable), and how far the weights moved.
 Run::
 
     .venv/bin/python -m benchmarks.mixed_precision [--out bench_output] [--updates 20]
+    .venvs/k3-jax/bin/python -m benchmarks.mixed_precision --backend jax --out docs/benchmarks/backends
+
+``--backend jax|torch`` (default: ``KERAS_BACKEND``, else tensorflow) runs the
+same fits on that Keras backend (no TensorFlow needed; a venv with it:
+``.venvs/k3-jax``, ``.venvs/k3-torch``), each ``fit`` compiled the
+backend's default way, as ``benchmarks.overhead --backend`` times it: XLA
+on JAX (``jit_compile=True``; JAX eager takes about 15 minutes on 2 CPU
+cores), eager on torch; on TensorFlow a ``tf.function`` without XLA
+(``jit_compile=False``).
 
 It writes ``mixed_precision.json`` (raw figures, versions) and
-``mixed_precision.md`` (the table).
+``mixed_precision.md`` (the table); ``mixed_precision_jax.*``,
+``mixed_precision_torch.*`` for the other backends.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -64,7 +75,7 @@ def _model(seed=0):
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
 
 
-def _fit(policy, optimizer, x, y, batch, record=False):
+def _fit(policy, optimizer, x, y, batch, record=False, jit_compile=False):
     import keras
     import numpy as np
 
@@ -83,7 +94,7 @@ def _fit(policy, optimizer, x, y, batch, record=False):
     keras.mixed_precision.set_global_policy(policy)
     try:
         model = _model()
-        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
         model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[Record()] if record else [])
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -100,14 +111,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_output", help="output folder (default: bench_output)")
     parser.add_argument("--updates", type=int, default=20, help="updates per run (default: 20)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
+                        default=os.environ.get("KERAS_BACKEND") or "tensorflow",
+                        help="the Keras backend (default: KERAS_BACKEND, else tensorflow)")
     args = parser.parse_args(argv)
+    if args.updates < 1:
+        parser.error(f"--updates={args.updates}: expected an int >= 1")
+    C.select_backend(parser, args.backend)
     env = C.static_env()
+    env.update(C.tf_env() if args.backend == "tensorflow" else C.backend_env(args.backend))
     warnings.filterwarnings("ignore", message=".*shuffle=True.*")
 
     import numpy as np
 
     sys.path.insert(0, str(C.REPO_ROOT / "tests"))
-    from support.reference import epsilon_16, mixed_precision_tolerance  # the tests' tolerance
+    from support.precision import epsilon_16, mixed_precision_tolerance  # the tests' tolerance (NumPy only)
 
     from accum_optimizer import AccumulatingOptimizer
 
@@ -115,15 +133,16 @@ def main(argv=None) -> int:
     x = rng.normal(size=(N * B * args.updates, 6)).astype("float32")
     y = rng.normal(size=(N * B * args.updates, 3)).astype("float32")
     optimizers = _optimizers()
+    jit = args.backend == "jax"  # each backend's default: XLA on JAX, eager on torch; TF: no XLA
     prog = C.Progress("mixed_precision", len(POLICIES) * len(optimizers))
     rows, results = [], []
     for policy in POLICIES:
         for name, make in optimizers.items():
             t0 = time.perf_counter()
-            ref, history = _fit(policy, make(), x, y, N * B, record=True)
-            ours, _ = _fit(policy, AccumulatingOptimizer(make(), N), x, y, B)
-            builtin, _ = _fit(policy, make(gradient_accumulation_steps=N), x, y, B)
-            in_float32, _ = _fit("float32", make(), x, y, N * B)
+            ref, history = _fit(policy, make(), x, y, N * B, record=True, jit_compile=jit)
+            ours, _ = _fit(policy, AccumulatingOptimizer(make(), N), x, y, B, jit_compile=jit)
+            builtin, _ = _fit(policy, make(gradient_accumulation_steps=N), x, y, B, jit_compile=jit)
+            in_float32, _ = _fit("float32", make(), x, y, N * B, jit_compile=jit)
             initial = [np.asarray(w.numpy(), np.float64) for w in _model().weights]
             config = make().get_config()
             tolerance = None
@@ -147,18 +166,21 @@ def main(argv=None) -> int:
     headers = ["policy", "inner optimizer", "accum_optimizer", "Keras built-in", "test tolerance",
                "batch N·B vs float32", "weights moved"]
     title = (f"max |weights - same policy at batch {N * B}| after {args.updates} updates "
-             f"(N={N}, B={B}, model.fit)")
+             f"(N={N}, B={B}, model.fit{'' if args.backend == 'tensorflow' else ', Keras on ' + args.backend}"
+             f"{', jit_compile' if jit else ''})")
     print(title)
     print(C.format_table(headers, rows))
     out = Path(args.out)
-    command = " ".join([".venv/bin/python", "-m", "benchmarks.mixed_precision",
-                        *(argv if argv is not None else sys.argv[1:])])
-    C.write_json(out / "mixed_precision.json", C.clean_floats(
-        {"N": N, "B": B, "updates": args.updates, "results": results, "env": {**env, **C.tf_env()},
-         "command": command}))
-    (out / "mixed_precision.md").write_text(
+    python = ".venv/bin/python" if args.backend == "tensorflow" else f".venvs/k3-{args.backend}/bin/python"
+    command = " ".join([python, "-m", "benchmarks.mixed_precision", *(argv if argv is not None else sys.argv[1:])])
+    data = {"N": N, "B": B, "updates": args.updates, "results": results, "env": env, "command": command}
+    if args.backend != "tensorflow":
+        data.update(backend=args.backend, jit_compile=jit)
+    name = "mixed_precision" if args.backend == "tensorflow" else f"mixed_precision_{args.backend}"
+    C.write_json(out / f"{name}.json", C.clean_floats(data))
+    (out / f"{name}.md").write_text(
         f"{title}\n\n{C.format_table(headers, rows, markdown=True)}\n\nProduced by `{command}`.\n")
-    prog.note(f"wrote {out / 'mixed_precision.json'}, {out / 'mixed_precision.md'}")
+    prog.note(f"wrote {out / f'{name}.json'}, {out / f'{name}.md'}")
     return 0
 
 

@@ -60,3 +60,31 @@ def test_memory_measures_the_four_cases(tmp_path):
         accumulated = runs[("b", 2)]
         assert accumulated["iterations"] == 1  # one window of 2, then one accumulate-only micro-step
         assert accumulated["accumulator_bytes"]["slots"] == m["param_bytes"]  # one float32 copy of the parameters
+
+
+def test_mixed_precision_accumulates_within_the_tolerance_and_as_close_as_the_builtin(tmp_path):
+    """``benchmarks.mixed_precision`` at 2 updates: under each mixed policy the
+    accumulated weights are within the tests' tolerance of the large batch's
+    (:func:`support.precision.mixed_precision_tolerance`), and with a constant
+    learning rate (where Keras' built-in accumulation is exact) no further
+    from it than the built-in's."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mixed_precision", "--backend", BACKEND, "--updates", "2",
+         "--out", str(tmp_path)],
+        cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    name = f"mixed_precision_{BACKEND}"
+    assert (tmp_path / f"{name}.md").read_text().count("|") > 10
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["backend"] == BACKEND and data["env"]["keras_backend"] == BACKEND and data["env"][BACKEND]
+    assert data["updates"] == 2 and data["jit_compile"] == (BACKEND == "jax")
+    checked = 0
+    for r in data["results"]:
+        assert r["weights_moved"] > 0, r
+        if r["test_tolerance"] is None:  # float32, or a schedule (the tolerance does not apply)
+            continue
+        assert r["accum_optimizer"] <= r["test_tolerance"], r
+        assert r["accum_optimizer"] <= r["keras_builtin"], r
+        checked += 1
+    assert checked == 4  # Adam and SGD under mixed_float16 and mixed_bfloat16
