@@ -128,9 +128,9 @@ def main(argv=None) -> int:
         return 0
     for r in results:
         print(f"\n{r['layout']} ({r['devices']} devices, mesh 2x2 ('data', 'model'))")
-        print(f"{'variable':<12} {'shape':<8} {'variable':<22} {'acc_grad':<22} touched_rows")
+        print(f"{'variable':<24} {'shape':<8} {'variable':<22} {'acc_grad':<22} touched_rows")
         for row in r["rows"]:
-            print(f"{row['variable']:<12} {str(tuple(row['shape'])):<8} {row['variable_spec']:<22} "
+            print(f"{row['variable']:<24} {str(tuple(row['shape'])):<8} {row['variable_spec']:<22} "
                   f"{row['acc_grad_spec']:<22} {row['touched_rows_spec']}")
         print(f"bytes per device: trainable {r['trainable_bytes_per_device']}, wrapper's state "
               f"{r['own_bytes_per_device']} (accumulators {r['acc_grad_bytes_per_device']}, row trackers "
