@@ -331,6 +331,8 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         """A zero-initialised replica-local (``ON_READ``, summed on read)
         variable beside ``reference`` (an accumulator, a row tracker).
 
+        Under a ``keras.distribution`` (JAX) it has ``reference``'s layout
+        (:func:`_layout_beside`), as Keras' own optimizer variables do.
         Row trackers are float16: restoring a summed ``ON_READ`` variable
         divides the saved sum by the replica count, which turns an integer
         mark of 1 into 0 but a float16 one into 0.5 (still a mark)."""
@@ -339,6 +341,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
             variable = keras.Variable(
                 initializer=keras.initializers.Zeros(), shape=shape, dtype=dtype, trainable=False,
                 autocast=autocast, aggregation="sum", synchronization="on_read", name=name,
+                layout=_layout_beside(reference, len(shape)),
             )
         return compat.track_variable(self, variable)
 
@@ -589,6 +592,27 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
 _LOSS_SCALED = threading.local()
 """``record``: (the optimizer, the graph) of the last :meth:`AccumulatingOptimizer.scale_loss`
 that divided by N, until its ``apply`` takes it."""
+
+
+def _layout_beside(reference: Any, rank: int) -> Any:
+    """The layout of a per-variable state of rank ``rank`` beside ``reference``:
+    ``reference``'s own layout (what the current ``keras.distribution``'s
+    ``get_variable_layout`` gives it: the layout it was created with, or the
+    distribution's ``LayoutMap`` entry for its path), restricted to its first
+    ``rank`` axes (a row tracker: the first axis); ``None`` without a
+    distribution (the backend's default placement: the variables that
+    ``tf.distribute`` creates beside their variable on TensorFlow) or for a
+    layout that is not a ``keras.distribution.TensorLayout`` cut to a lower
+    rank (the distribution's default for the state's own path)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return None
+    layout = distribution.get_variable_layout(reference)
+    if rank == len(reference.shape) or layout is None:
+        return layout
+    if not isinstance(layout, keras.distribution.TensorLayout):
+        return None
+    return keras.distribution.TensorLayout(layout.axes[:rank], layout.device_mesh)
 
 
 def _overwritten(variable: Any) -> bool:

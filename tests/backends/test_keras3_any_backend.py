@@ -554,6 +554,40 @@ def test_jax_data_parallel_over_two_devices_trains_like_the_single_device_large_
     assert float(diff) <= TOL, diff
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution.ModelParallel over 4 CPU devices: JAX only")
+def test_jax_model_parallel_accumulators_have_their_variables_layout():
+    """``keras.distribution.ModelParallel`` over a 2x2 mesh of CPU devices
+    (``benchmarks.jax_layouts``, a fresh process), tensor-parallel kernels
+    and an FSDP-style layout sharding every kernel over both axes: each
+    accumulator has its variable's sharding, each row tracker the
+    variable's first-axis sharding, the counters are replicated, the
+    accumulators hold one sharded copy of the trainable variables per
+    device (the wrapper's state: that, the trackers and the counters), and
+    N = 3 micro-batches of 4 train like one device's ``fit(batch_size=12)``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.jax_layouts", "--json"], capture_output=True,
+                         text=True, env=env, cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["layout"] for r in results] == ["tensor_parallel", "fsdp"]
+    for r in results:
+        assert r["devices"] == 4
+        kernels = [row for row in r["rows"] if row["variable"].endswith("kernel")]
+        assert kernels and all(row["variable_spec"] != "replicated" for row in kernels), r  # (the layout took)
+        for row in r["rows"]:
+            assert row["acc_grad_same_sharding"], row
+            assert row["touched_rows_same_first_axis"] in (True, None), row
+        assert r["counters_replicated"], r
+        assert r["acc_grad_bytes_per_device"] == r["trainable_bytes_per_device"], r  # (float32 both)
+        assert r["own_bytes_per_device"] <= (
+            r["trainable_bytes_per_device"] + r["touched_rows_bytes_per_device"] + r["counter_bytes"]
+        ), r
+        assert r["max_abs_diff"] <= TOL, r
+
+
 # ---------------------------------------------------------- mixed precision
 class dtype_policy:
     def __init__(self, policy):
