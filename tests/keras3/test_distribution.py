@@ -422,3 +422,37 @@ def test_weight_decay_skips_variables_without_gradient_under_mirrored_strategy(s
     assert max_abs_diff(weights(model), weights(missing_grad_model())) > 1e-3
     assert max_abs_diff(weights(model), weights(ref_model)) <= TOL
     assert max_abs_diff(weights(opt.inner_optimizer.variables), weights(ref_opt.variables)) <= TOL
+
+
+# --------------------------------------------------------------------------
+# keras.distribution on TensorFlow: Keras 3.15 places no variable by layout
+# --------------------------------------------------------------------------
+def test_keras_distribution_model_parallel_on_tensorflow_keeps_accumulators_beside_their_variables():
+    """``keras.distribution.ModelParallel`` with a ``LayoutMap`` sharding a
+    kernel, on the TensorFlow backend (Keras 3.15): Keras creates every
+    variable as one unsharded ``tf.Variable`` (its TF backend does not apply
+    a layout to variables), so there is no sharding for an accumulator to
+    follow; each accumulator is the variable's shape and dtype, on the
+    variable's device, and ``fit`` under the distribution trains like the
+    plain inner optimizer at batch ``N * B`` without one."""
+    x, y = make_data(2 * N * B)
+    reference = _fit(make_mlp(seed=0), keras.optimizers.Adam(1e-2), x, y, N * B, EPOCHS)
+    mesh = keras.distribution.DeviceMesh((1, 2), ("data", "model"), devices=keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense/kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+    try:
+        model = make_mlp(seed=0)
+        opt = AccumulatingOptimizer(keras.optimizers.Adam(1e-2), gradient_accumulation_steps=N)
+        _fit(model, opt, x, y, B, EPOCHS)
+    finally:
+        keras.distribution.set_distribution(None)
+    kernel = model.layers[0].kernel
+    assert isinstance(kernel.value, tf.Variable) and tuple(kernel.value.shape) == tuple(kernel.shape)  # unsharded
+    by_path = {v.path: v for v in model.trainable_variables}
+    for variable, acc in zip(opt._build_order, opt.acc_grads):
+        assert by_path[variable.path] is variable
+        assert (tuple(acc.shape), acc.dtype) == (tuple(variable.shape), variable.dtype)
+        assert acc.value.device == variable.value.device, (acc.path, acc.value.device, variable.value.device)
+    assert int(opt.inner_optimizer.iterations) == EPOCHS * len(x) // (N * B)
+    assert max_abs_diff(weights(model), weights(reference)) <= TOL
