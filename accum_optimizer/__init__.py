@@ -8,14 +8,16 @@ inner optimizer's family (the way ``pathlib.Path(...)`` returns a
 ``PosixPath``), an instance of that family's optimizer base class; the family
 classes live in :mod:`accum_optimizer.families`. Importing this package
 registers the wrappers of the active Keras with its serialization, so
-``load_model`` needs no ``custom_objects``.
+``load_model`` needs no ``custom_objects``. Without Keras 3 or TensorFlow
+the import succeeds (:mod:`accum_optimizer.core` needs no framework) and the
+first use of a wrapper raises ``ImportError`` naming what to install.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from accum_optimizer import _args, _dispatch
+from accum_optimizer import _args, _dispatch, _packages
 
 __all__ = ["AccumulatingOptimizer", "CountedLoss", "FlushPartialWindow", "__version__"]
 __version__ = "0.2.0.dev0"
@@ -106,7 +108,15 @@ class AccumulatingOptimizer(metaclass=_DispatchByFamily):
         return family.wrapper().from_config(config, custom_objects=custom_objects)
 
 
-_dispatch.register_active_families()
+try:
+    _dispatch.register_active_families()
+except _packages.NoFrameworkError:
+    # Nothing to register. The import succeeds, so that the framework-free
+    # core (accum_optimizer.core, a subpackage: importing it runs this file)
+    # imports anywhere; the wrappers raise this error when first asked for
+    # ("adam", CountedLoss, subclassing), and an optimizer instance implies
+    # its framework.
+    pass
 
 
 def __getattr__(name: str) -> Any:

@@ -73,6 +73,11 @@ def keras3_off_tensorflow() -> Any:
     return sys.modules["keras"]
 
 
+class NoFrameworkError(ImportError):
+    """Neither Keras 3 nor TensorFlow is installed (raised by
+    :func:`active_keras`; an ``ImportError``)."""
+
+
 def active_keras() -> tuple[str, Any]:
     """``("keras3" | "keras2", package)``: the Keras that ``tf.keras`` is.
 
@@ -84,7 +89,8 @@ def active_keras() -> tuple[str, Any]:
     imported already). Without TensorFlow: Keras 3.
 
     Raises:
-        ImportError: neither TensorFlow nor Keras 3 is installed.
+        NoFrameworkError: neither TensorFlow nor Keras is installed.
+        ImportError: ``import keras`` is Keras 2 and TensorFlow is not installed.
     """
     keras = keras3_off_tensorflow()
     if keras is not None:
@@ -95,7 +101,7 @@ def active_keras() -> tuple[str, Any]:
         try:
             import keras
         except ImportError:
-            raise ImportError(
+            raise NoFrameworkError(
                 "accum_optimizer needs Keras 3 (pip install 'accum-optimizer[keras3]' and a backend: "
                 "jax, torch or tensorflow) or TensorFlow (pip install 'accum-optimizer[tensorflow]'); "
                 "neither is installed."
