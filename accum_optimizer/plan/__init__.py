@@ -11,12 +11,17 @@ or ``python -m accum_optimizer.plan mypkg.train:build_model
 mypkg.train:make_batch --target-batch-size 256 --memory-limit 10GiB``.
 
 Each probe trains the user's model at one micro-batch size B in a fresh
-process (an out-of-memory error is not safe to recover from in-process),
-with its optimizer wrapped in ``AccumulatingOptimizer(inner, 2)`` so that the
-accumulators and an update both count, and reports the allocator's peak
-(:mod:`accum_optimizer.plan._probe`). The search doubles B from its start
-until a probe does not fit (or B reaches its maximum), then bisects between
-the last fit and the first failure, on multiples of ``multiple_of``; the
+process (an out-of-memory error is not safe to recover from in-process, and
+TensorFlow keeps part of a cleared model alive), with its optimizer wrapped
+in ``AccumulatingOptimizer(inner, 2)`` so that the accumulators and an
+update both count, and reports the allocator's peak
+(:mod:`accum_optimizer.plan._probe`); the next probe's process is started,
+and has imported TensorFlow, while the current one trains. The search
+doubles B from its start until a probe does not fit (or B reaches its
+maximum), then bisects between the last fit and the first failure, on
+multiples of ``multiple_of``, or, once the peaks grow with B, tries where
+the line through the two largest peaks meets the budget
+(:func:`linear_estimate`); the
 plan's trials always hold the chosen B and the next multiple above it
 (unless the chosen B is the maximum), so the answer never rests on an
 unprobed neighbour. N is ``ceil(target / (B * replicas))``.
@@ -40,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["Plan", "plan_accumulation", "parse_bytes", "search_micro_batch_size"]
+__all__ = ["Plan", "plan_accumulation", "parse_bytes", "search_micro_batch_size", "linear_estimate"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -92,15 +97,25 @@ def load_function(path: Any, name: str) -> Callable[..., Any]:
     return function
 
 
-def search_micro_batch_size(fits: Callable[[int], bool], maximum: int, start: int = 1, multiple_of: int = 1) -> int | None:
+def search_micro_batch_size(fits: Callable[[int], bool], maximum: int, start: int = 1, multiple_of: int = 1,
+                            estimate: Callable[[int, int | None], int | None] | None = None) -> int | None:
     """The largest multiple of ``multiple_of`` up to ``maximum`` for which
     ``fits`` holds, assuming it holds below any size where it does (memory
     grows with B); ``None`` if it holds for none.
 
-    Doubles from ``start`` (rounded up to a multiple) until ``fits`` fails or
-    ``maximum`` is reached, then bisects between the last fit and the first
-    failure. Every size it returns was tried, and so was the next multiple
-    above it unless it is ``maximum``. ``fits`` is called once per size.
+    Without ``estimate``: doubles from ``start`` (rounded up to a multiple)
+    until ``fits`` fails or ``maximum`` is reached, then bisects between the
+    last fit and the first failure. With ``estimate(last_fit, first_fail)``
+    (sizes; ``last_fit`` 0 before any fit, ``first_fail`` ``None`` before any
+    failure) returning a guess of the answer (or ``None``: no guess yet), the
+    next size is the guess, rounded down to a multiple and kept inside what
+    is still undecided (above the last fit, below the first failure, at most
+    8 times the last fit); after two guesses in a row that left the answer
+    open, one doubling or bisection step is taken, so a poor guesser costs at
+    most about three times the probes of the plain search.
+
+    Every size it returns was tried, and so was the next multiple above it
+    unless it is ``maximum``. ``fits`` is called once per size.
     """
     unit_max = maximum // multiple_of
     if unit_max < 1:
@@ -112,25 +127,56 @@ def search_micro_batch_size(fits: Callable[[int], bool], maximum: int, start: in
             seen[k] = bool(fits(k * multiple_of))
         return seen[k]
 
+    def guess(last_fit: int, first_fail: int | None) -> int | None:
+        if estimate is None:
+            return None
+        size = estimate(last_fit * multiple_of, None if first_fail is None else first_fail * multiple_of)
+        if size is None:
+            return None
+        low = last_fit + 1
+        high = min(unit_max, 8 * max(last_fit, 1)) if first_fail is None else first_fail - 1
+        return min(max(int(size) // multiple_of, low), high)
+
+    last_fit, first_fail, guided = 0, None, 0
     k = min(max(1, -(-start // multiple_of)), unit_max)
-    last_fit, first_fail = 0, None
     while True:
         if ok(k):
             last_fit = k
-            if k == unit_max:
-                break
-            k = min(2 * k, unit_max)
         else:
             first_fail = k
+        if last_fit == unit_max or (first_fail is not None and first_fail - last_fit <= 1):
             break
-    if first_fail is not None:
-        while first_fail - last_fit > 1:
-            mid = (last_fit + first_fail) // 2
-            if ok(mid):
-                last_fit = mid
-            else:
-                first_fail = mid
+        g = guess(last_fit, first_fail) if guided < 2 else None
+        if g is not None:
+            k, guided = g, guided + 1
+        else:
+            guided = 0
+            k = min(2 * last_fit, unit_max) if first_fail is None else (last_fit + first_fail) // 2
     return last_fit * multiple_of if last_fit else None
+
+
+def linear_estimate(trials: list, budget: int) -> Callable[[int, int | None], int | None]:
+    """A guesser for :func:`search_micro_batch_size`: the B at which the line
+    through the peaks of the two largest sizes measured so far (out-of-memory
+    trials have no peak) reaches ``budget``. ``None`` until those two peaks
+    differ by at least 15 %: at small B the peak is mostly weights and
+    optimizer state, flat in B, and a slope from there is mostly the
+    allocator's noise (the example CNN: 202.1, 202.4, 203.1, 241.5 MiB at
+    B = 8, 16, 32, 64). Near the limit the peak grows about linearly with B
+    (activations), which is where the line is drawn.
+
+    ``trials`` is read at each call (the planner appends to it)."""
+
+    def estimate(last_fit: int, first_fail: int | None) -> int | None:
+        measured = sorted((t["micro_batch_size"], t["peak_bytes"]) for t in trials if t["peak_bytes"] is not None)
+        if len(measured) < 2:
+            return None
+        (b0, p0), (b1, p1) = measured[-2], measured[-1]
+        if p1 < 1.15 * p0:
+            return None
+        return int(b1 + (budget - p1) * (b1 - b0) / (p1 - p0))
+
+    return estimate
 
 
 @dataclasses.dataclass
@@ -319,6 +365,124 @@ def check_backend() -> None:
         )
 
 
+class _Prober:
+    """Fresh probe processes (:mod:`accum_optimizer.plan._probe` ``--wait``),
+    each started ahead: while one probe trains, the next process already
+    imports TensorFlow and the user's ``build`` and ``batch``, then waits
+    for its size. Every probe still runs in a process of its own, so it
+    measures what a fresh training process holds (TensorFlow keeps buffers
+    of a cleared model alive, and a process's first model pays one-time
+    allocations: a reused process measures neither faithfully). Use as a
+    context manager; :meth:`close` stops the spare process."""
+
+    def __init__(self, build: str, batch: str, timeout: float = 1800):
+        self.build, self.batch, self.timeout = build, batch, timeout
+        self.spare: tuple | None = None  # (process, its stderr file)
+        self.processes_started = 0
+        self.ready: set = set()  # pids of the started processes known to have imported
+
+    def __enter__(self) -> "_Prober":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.spare is not None:
+            self._stop(*self.spare)
+            self.spare = None
+
+    @staticmethod
+    def _stop(process: subprocess.Popen, stderr: Any) -> None:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for stream in (process.stdin, process.stdout, stderr):
+            stream.close()
+
+    def _start(self) -> tuple:
+        import tempfile
+
+        # The probe imports what this process can (its sys.path: where
+        # `build` and `batch` were found).
+        path = [p or os.getcwd() for p in sys.path]
+        env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3",
+               "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+        stderr = tempfile.TemporaryFile(mode="w+")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "accum_optimizer.plan._probe", "--wait", self.build, self.batch],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        self.processes_started += 1
+        return process, stderr
+
+    def _ready(self, process: subprocess.Popen) -> None:
+        """Wait for a started process's imports: its ``PROBE_READY`` line
+        (nothing more if it dies; killed after the timeout)."""
+        import threading
+
+        from accum_optimizer.plan import _probe
+
+        if process.pid in self.ready:
+            return
+        timer = threading.Timer(self.timeout, process.kill)
+        timer.start()
+        try:
+            for line in process.stdout:
+                if line.startswith(_probe.READY):
+                    break
+        finally:
+            timer.cancel()
+        self.ready.add(process.pid)
+
+    def measure(self, micro_batch_size: int, budget_bytes: int | None = None, ahead: bool = True) -> dict:
+        """One probe in a fresh process (see :func:`probe`); with ``ahead``,
+        the next probe's process is started before this one reports."""
+        import threading
+
+        from accum_optimizer.plan import _probe
+
+        process, stderr = self.spare if self.spare is not None else self._start()
+        self.spare = self._start() if ahead else None
+        timer = threading.Timer(self.timeout, process.kill)
+        timer.start()
+        output = []
+        try:
+            process.stdin.write(json.dumps({"micro_batch_size": micro_batch_size, "budget_bytes": budget_bytes}) + "\n")
+            process.stdin.flush()
+            for line in process.stdout:
+                output.append(line)
+                if line.startswith(_probe.TRACED):  # time the steps once the next process is idle
+                    if self.spare is not None:
+                        self._ready(self.spare[0])
+                    process.stdin.write("\n")
+                    process.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the process died (killed at the timeout)
+            pass
+        finally:
+            timer.cancel()
+        process.wait()
+        out = "".join(output)
+        stderr.seek(0)
+        errors = stderr.read()
+        self._stop(process, stderr)
+        lines = [line for line in out.splitlines() if line.startswith(_probe.PREFIX)]
+        if not lines:
+            if process.returncode < 0:  # killed (the kernel's out-of-memory killer): does not fit
+                return {"micro_batch_size": micro_batch_size, "peak_bytes": None, "seconds_per_micro_step": None,
+                        "oom": True, "device": None, "gpus": 0}
+            raise RuntimeError(
+                f"The probe at micro_batch_size={micro_batch_size} exited with status {process.returncode} and no "
+                f"result. Its output:\n{out[-4000:]}\n{errors[-4000:]}"
+            )
+        result = json.loads(lines[-1][len(_probe.PREFIX):])
+        if "error" in result:
+            raise RuntimeError(
+                f"Building the model ({self.build}) or its batch ({self.batch}) at micro_batch_size="
+                f"{micro_batch_size} raised, in the probe process:\n{result['error']}"
+            )
+        return result
+
+
 def probe(build: str, batch: str, micro_batch_size: int, budget_bytes: int | None = None,
           timeout: float = 1800) -> dict:
     """Measure one micro-batch size in a fresh process
@@ -334,32 +498,8 @@ def probe(build: str, batch: str, micro_batch_size: int, budget_bytes: int | Non
             out-of-memory error) raised in the probe; the message holds its
             traceback.
     """
-    from accum_optimizer.plan import _probe
-
-    spec = {"build": build, "batch": batch, "micro_batch_size": micro_batch_size, "budget_bytes": budget_bytes}
-    # The probe imports what this process can (its sys.path: where `build`
-    # and `batch` were found).
-    path = [p or os.getcwd() for p in sys.path]
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3",
-           "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
-    done = subprocess.run([sys.executable, "-m", "accum_optimizer.plan._probe", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(_probe.PREFIX)]
-    if not lines:
-        if done.returncode < 0:  # killed (the kernel's out-of-memory killer): does not fit
-            return {"micro_batch_size": micro_batch_size, "peak_bytes": None, "seconds_per_micro_step": None,
-                    "oom": True, "device": None, "gpus": 0}
-        raise RuntimeError(
-            f"The probe at micro_batch_size={micro_batch_size} exited with status {done.returncode} and no "
-            f"result. Its output:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-        )
-    result = json.loads(lines[-1][len(_probe.PREFIX):])
-    if "error" in result:
-        raise RuntimeError(
-            f"Building the model ({build}) or its batch ({batch}) at micro_batch_size={micro_batch_size} "
-            f"raised, in the probe process:\n{result['error']}"
-        )
-    return result
+    with _Prober(build, batch, timeout) as prober:
+        return prober.measure(micro_batch_size, budget_bytes, ahead=False)
 
 
 def plan_accumulation(
@@ -441,7 +581,7 @@ def plan_accumulation(
     seen: dict = {}
 
     def fits(size: int) -> bool:
-        result = probe(build, batch, size, budget)
+        result = prober.measure(size, budget)
         seen.update(device=result.get("device") or seen.get("device"), gpus=result.get("gpus", 0))
         ok = not result["oom"] and result["peak_bytes"] is not None and result["peak_bytes"] <= budget
         trial = {"micro_batch_size": size, "peak_bytes": result["peak_bytes"], "fits": ok,
@@ -453,7 +593,8 @@ def plan_accumulation(
                 f"(budget {budget / 2**20:.1f} MiB)")
         return ok
 
-    chosen = search_micro_batch_size(fits, maximum, start, multiple_of)
+    with _Prober(build, batch) as prober:
+        chosen = search_micro_batch_size(fits, maximum, start, multiple_of, estimate=linear_estimate(trials, budget))
     if chosen is None:
         first = trials[0]
         needed = "an out-of-memory error" if first["peak_bytes"] is None else f"{first['peak_bytes']} bytes"

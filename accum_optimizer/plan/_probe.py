@@ -1,6 +1,14 @@
 """One probe of the planner, in a fresh process: ``python -m
 accum_optimizer.plan._probe '<json>'`` prints one line, ``PROBE_RESULT
-<json>``.
+<json>``. ``python -m accum_optimizer.plan._probe --wait BUILD BATCH``
+first imports TensorFlow, this package and the user's two functions, then
+reads its spec (``{"micro_batch_size", "budget_bytes"}``) as one JSON line
+from standard input: the planner starts it while the previous probe still
+trains, so that the imports are not on the search's critical path. It
+prints ``PROBE_READY`` once imported, and ``PROBE_TRACED`` after its first
+step, then waits for a line before the two timed steps: the planner sends
+it once the next probe's process is ready (idle), so that no import shares
+the CPU with the steps that are timed.
 
 It builds the user's model, wraps its optimizer in
 ``AccumulatingOptimizer(inner, 2)`` (recompiled with the model's loss), and
@@ -30,6 +38,7 @@ import traceback
 from typing import Any
 
 PREFIX = "PROBE_RESULT "
+READY, TRACED = "PROBE_READY", "PROBE_TRACED"  # --wait: imports done; first step done, waiting to time
 
 
 def _configure(budget_bytes: int | None) -> bool:
@@ -54,9 +63,11 @@ def _accumulating(optimizer: Any, wrapper: Any) -> Any:
     return wrapper(optimizer, 2)
 
 
-def measure(spec: dict) -> dict:
+def measure(spec: dict, before_timing: Any = None) -> dict:
     """Train the three steps of one probe (``spec``: build, batch, the micro
-    batch size, the budget) and return its figures."""
+    batch size, the budget) and return its figures; ``before_timing()``, if
+    given, is called after the first step (the trace), before the two timed
+    ones."""
     from accum_optimizer.plan import load_function
 
     gpu = _configure(spec.get("budget_bytes"))
@@ -65,7 +76,7 @@ def measure(spec: dict) -> dict:
     from accum_optimizer import AccumulatingOptimizer
 
     device = "GPU:0" if gpu else "CPU:0"
-    result: dict[str, Any] = {"micro_batch_size": spec["micro_batch_size"], "device": device,
+    result: dict[str, Any] = {"micro_batch_size": spec["micro_batch_size"], "device": device, "pid": os.getpid(),
                               "gpus": len(tf.config.list_physical_devices("GPU"))}
     build, make_batch = load_function(spec["build"], "build"), load_function(spec["batch"], "batch")
     try:
@@ -74,7 +85,9 @@ def measure(spec: dict) -> dict:
         model.compile(optimizer=_accumulating(model.optimizer, AccumulatingOptimizer), loss=model.loss)
         tf.config.experimental.reset_memory_stats(device)
         times = []
-        for _ in range(3):
+        for step in range(3):
+            if step == 1 and before_timing is not None:
+                before_timing()
             start = time.perf_counter()
             model.train_on_batch(*batch) if isinstance(batch, (tuple, list)) else model.train_on_batch(batch)
             times.append(time.perf_counter() - start)
@@ -86,10 +99,37 @@ def measure(spec: dict) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+def _preload(build: str, batch: str) -> None:
+    """Import what a probe needs before its size is known; a failure is
+    reported by the probe itself (``measure`` imports again and raises)."""
     try:
-        result = measure(spec)
+        import tensorflow  # noqa: F401
+
+        import accum_optimizer  # noqa: F401
+        from accum_optimizer.plan import load_function
+
+        load_function(build, "build"), load_function(batch, "batch")
+    except BaseException:  # noqa: BLE001 - measure() raises it again, and reports it
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = argv if argv is not None else sys.argv[1:]
+    before_timing = None
+    if argv[:1] == ["--wait"]:
+        _preload(argv[1], argv[2])
+        sys.stdout.write(READY + "\n")
+        sys.stdout.flush()
+        spec = {"build": argv[1], "batch": argv[2], **json.loads(sys.stdin.readline())}
+
+        def before_timing() -> None:  # the planner answers once the next probe's process is idle
+            sys.stdout.write(TRACED + "\n")
+            sys.stdout.flush()
+            sys.stdin.readline()
+    else:
+        spec = json.loads(argv[0])
+    try:
+        result = measure(spec, before_timing)
     except BaseException:  # noqa: BLE001 - the parent shows the child's traceback
         result = {"micro_batch_size": spec.get("micro_batch_size"), "error": traceback.format_exc()}
     sys.stdout.write(PREFIX + json.dumps(result) + "\n")

@@ -75,6 +75,54 @@ def test_search_finds_the_largest_fitting_multiple_and_probes_its_neighbour(thre
         assert multiple_of in tried  # the smallest size was tried before giving up
 
 
+@settings(max_examples=200, deadline=None)
+@given(threshold=st.integers(0, 300), maximum=st.integers(1, 256), start=st.integers(1, 300),
+       multiple_of=st.integers(1, 16), data=st.data())
+def test_search_with_any_guesses_finds_the_same_answer_in_bounded_probes(threshold, maximum, start, multiple_of,
+                                                                          data):
+    """Whatever ``estimate`` guesses (any size, or no guess), the answer is
+    the plain search's, each size is tried once, the answer's neighbour was
+    tried, and the probes are at most three times the plain search's plus
+    two (two guided probes per doubling or bisection step)."""
+    plain = []
+    expected = search_micro_batch_size(lambda b: plain.append(b) or b <= threshold, maximum, start, multiple_of)
+    guesses = st.none() | st.integers(-50, 600)
+    tried = []
+    got = search_micro_batch_size(lambda b: tried.append(b) or b <= threshold, maximum, start, multiple_of,
+                                  estimate=lambda last_fit, first_fail: data.draw(guesses))
+    assert got == expected
+    assert len(tried) == len(set(tried)) and all(b % multiple_of == 0 and 0 < b <= maximum for b in tried)
+    if got is not None and got + multiple_of <= maximum:
+        assert got + multiple_of in tried
+    assert len(tried) <= 3 * len(plain) + 2
+
+
+def test_a_line_through_the_peaks_finds_the_answer_in_fewer_probes():
+    """Peaks flat at small B then linear (the example CNN's shape:
+    ``200 + max(0, B - 32)`` MiB-like units) against a budget of 460: the
+    answer (292) is the plain search's, found in fewer probes with
+    :func:`linear_estimate` (hand count: the plain search doubles 1..256,
+    fails 512, bisects 384, 320, 288, 304, 296, 292, 294, 293: 18 probes;
+    with the line: 1..64 as before (the peaks of 1..32 are equal, and 232 at
+    64 is the first 15 % above the size before), the line through (32, 200)
+    and (64, 232) hits 460 at 292, then 293 closes it: 9)."""
+    from accum_optimizer.plan import linear_estimate
+
+    def peak(b):
+        return 200 + max(0, b - 32)
+
+    plain, trials = [], []
+
+    def fits(b):
+        trials.append({"micro_batch_size": b, "peak_bytes": peak(b)})
+        return peak(b) <= 460
+
+    assert search_micro_batch_size(lambda b: plain.append(b) or peak(b) <= 460, 1024) == 292
+    assert search_micro_batch_size(fits, 1024, estimate=linear_estimate(trials, 460)) == 292
+    assert (len(plain), len(trials)) == (18, 9)
+    assert [t["micro_batch_size"] for t in trials][-2:] == [292, 293]
+
+
 # ------------------------------------------------------------------ the plan
 def test_plan_chooses_the_largest_size_under_the_limit_and_its_n(peaks):
     """A ``memory_limit`` halfway between the peaks measured at 16 and 64
@@ -100,6 +148,40 @@ def test_plan_chooses_the_largest_size_under_the_limit_and_its_n(peaks):
     assert doubling == sorted(doubling) and len(doubling) >= 2
     assert all(t["seconds_per_micro_step"] > 0 for t in plan.trials if t["peak_bytes"] is not None)
     assert any(f"B={b}:" in line and "fits" in line for line in lines) and f"micro_batch_size={b}," in "".join(lines)
+
+
+def test_each_probe_runs_in_a_fresh_process_started_ahead(monkeypatch):
+    """Each probe measures in a process of its own (none reused: TensorFlow
+    keeps a cleared model's buffers), the next one started while the
+    previous probe trains, and the spare one stopped when the search ends.
+    ``batch_oom_above`` raises TensorFlow's out-of-memory error from B = 24
+    (``OOM_FROM``): sizes 16 (fits), 32 and 24 (out of memory), 20 (fits):
+    B = 20, four probes in four processes, a fifth started ahead of a probe
+    that never came."""
+    import accum_optimizer.plan as planner
+    from support.plan_models import OOM_FROM
+
+    started, measured_in = [], []
+
+    class Recording(planner._Prober):
+        def _start(self):
+            process, stderr = super()._start()
+            started.append(process)
+            return process, stderr
+
+        def measure(self, *args, **kwargs):
+            result = super().measure(*args, **kwargs)
+            measured_in.append(result["pid"])
+            return result
+
+    monkeypatch.setattr(planner, "_Prober", Recording)
+    plan = plan_accumulation(BUILD, "support.plan_models:batch_oom_above", target_batch_size=64, memory_limit="1GiB",
+                             margin=1.0, max_micro_batch_size=32, multiple_of=4, start=16, verbose=False)
+    assert [(t["micro_batch_size"], t["peak_bytes"] is None) for t in plan.trials] == [
+        (16, False), (32, True), (24, True), (20, False)]
+    assert plan.micro_batch_size == 20 == OOM_FROM - 4
+    assert measured_in == [p.pid for p in started[:4]]
+    assert len(started) == 5 and all(p.poll() is not None for p in started)
 
 
 def test_json_round_trip_and_plot(tmp_path):

@@ -41,3 +41,18 @@ def batch(micro_batch_size):
 
 def build_raises():
     raise RuntimeError("the user's build function failed: no such dataset 'imagenet-42'")
+
+
+OOM_FROM = 24  # batch_oom_above: B at and above this "runs out of memory"
+
+
+def batch_oom_above(micro_batch_size):
+    """``batch`` below ``OOM_FROM``; at and above it, TensorFlow's
+    out-of-memory error, as a real allocation failure raises it: the probe
+    reports it as such and its process exits (a known ``fits`` boundary
+    without exhausting the machine's memory)."""
+    if micro_batch_size >= OOM_FROM:
+        import tensorflow as tf
+
+        raise tf.errors.ResourceExhaustedError(None, None, f"OOM when allocating a batch of {micro_batch_size}")
+    return batch(micro_batch_size)
