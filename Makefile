@@ -83,6 +83,11 @@ ARGS_k3        := --leave-out tf1,contract
 # (tests/support/numpy_backend.py), and its import without any framework: in
 # every leg (the legs that collect tests/ whole run them as part of it).
 CORE_NUMPY := tests/core/test_window_numpy.py tests/core/test_core_without_framework.py
+# What every leg runs (no framework needed): the core above, and
+# tests/core/test_references.py (the sources read statically: every
+# tests/...py path and every API reference of the package, docs and tools
+# resolves; no test imports benchmarks).
+EVERY_LEG := $(CORE_NUMPY) tests/core/test_references.py
 
 OLDEST_CONTRACT := $(addprefix tests/contract/test_,$(addsuffix .py,between_updates ema large_batch \
   missing_gradients nonfinite pass_through resume saved_checkpoints strategies))
@@ -99,7 +104,7 @@ ENV_k3-oldest    :=
 # checkpoints saved by earlier versions, missing gradients, non-finite
 # policies, pass-through, strategies; weighted windows, flush, accumulation
 # schedules and the fit-level windows prove the shared window logic and run
-# in k3 only: time budget), the framework-free core, argument validation and dispatch, the private-symbol
+# in k3 only: time budget), the framework-free core, the references, argument validation and dispatch, the private-symbol
 # fence (core/test_compat.py: every private Keras/TF symbol resolves in
 # these versions), Keras 3's API and subclassing. The rest of tests/keras3/
 # checks the package's own logic through the same Keras code paths
@@ -107,7 +112,7 @@ ENV_k3-oldest    :=
 # precision, XLA, hardening, caveats, the multi-worker processes, the
 # benchmark smoke run, the property tests) and runs in k3 only; the TF1
 # family in k3 and tf215 (time budget).
-ARGS_k3-oldest   := $(TF1_TESTS) tests/test_environment.py $(CORE_NUMPY) tests/core/test_arguments.py tests/core/test_dispatch.py \
+ARGS_k3-oldest   := $(TF1_TESTS) tests/test_environment.py $(EVERY_LEG) tests/core/test_arguments.py tests/core/test_dispatch.py \
   tests/core/test_compat.py tests/core/test_version.py $(OLDEST_CONTRACT) tests/keras3/test_api.py \
   tests/keras3/test_subclass.py
 
@@ -134,14 +139,14 @@ ARGS_tf215     := --leave-out keras2,windows --leave-out multiworker
 
 # Keras 3 on JAX and torch: the tests written once with keras.ops and NumPy
 # (tests/backends/, and keras-hub's tasks, tests/clients/; k3 runs them on
-# TensorFlow), in venvs without TensorFlow, and the framework-free core.
+# TensorFlow), in venvs without TensorFlow, the framework-free core and the references.
 DIR_k3-jax      := $(VENVS)/k3-jax
 PYTHON_k3-jax   := $(PYTHON)
 EXTRAS_k3-jax   := test,keras3,plan
 PINS_k3-jax     := keras==3.15.* jax[cpu]==0.10.* $(KERAS_HUB_DEPS)
 NODEPS_k3-jax   := $(KERAS_HUB)
 ENV_k3-jax      := KERAS_BACKEND=jax
-ARGS_k3-jax     := tests/backends tests/clients tests/docs $(CORE_NUMPY)
+ARGS_k3-jax     := tests/backends tests/clients tests/docs $(EVERY_LEG)
 
 DIR_k3-torch    := $(VENVS)/k3-torch
 PYTHON_k3-torch := $(PYTHON)
@@ -151,7 +156,7 @@ EXTRAS_k3-torch := test,keras3,plan
 PINS_k3-torch   := keras==3.15.* torch==2.13.0 $(KERAS_HUB_DEPS)
 NODEPS_k3-torch := $(KERAS_HUB)
 ENV_k3-torch    := KERAS_BACKEND=torch
-ARGS_k3-torch   := tests/backends tests/clients tests/docs $(CORE_NUMPY)
+ARGS_k3-torch   := tests/backends tests/clients tests/docs $(EVERY_LEG)
 
 .PHONY: venv venvs demo test test-full test-nightly bench docs venv-docs clean \
 	$(addprefix venv-,$(ALL_LEGS)) $(addprefix test-,$(ALL_LEGS))

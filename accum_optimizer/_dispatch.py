@@ -65,8 +65,8 @@ class Family:
 FAMILIES = [
     # TF1 first: `tf.compat.v1.train.Optimizer` shares no base class with any
     # Keras optimizer (Keras 3's, tf_keras' or OptimizerV2), so the order does
-    # not change any answer (tests/test_tf1_api.py checks both ways); the
-    # check is cheap and imports nothing.
+    # not change any answer (tests/core/test_dispatch.py::test_tf1_and_keras_families_do_not_overlap
+    # checks both ways); the check is cheap and imports nothing.
     Family("TF1 (tf.compat.v1.train.Optimizer)", "tf1", _is_tf1),
     Family("Keras 3 (keras.optimizers.Optimizer)", "keras3", _is_keras3),
     # Before any Keras 2 new-API row: legacy optimizers are Keras 2 optimizers too.

@@ -1,6 +1,6 @@
 """Time and all-reduce traffic per accumulation window under MultiWorkerMirroredStrategy.
 
-Two worker processes on 127.0.0.1 (``benchmarks/_cluster.py``: ``TF_CONFIG``
+Two worker processes on 127.0.0.1 (``tests/support/cluster.py``: ``TF_CONFIG``
 with free loopback ports, one CPU device each, so 2 replicas), an MLP of
 more than 1M parameters (quick and full profiles), Adam, a custom loop
 (``strategy.run`` in a ``tf.function``) on a fixed global micro-batch ``B``
@@ -17,7 +17,7 @@ trained by:
     slower; compare these two with each other). N=1 is rejected by Keras'
     built-in: "n/a".
 
-Traffic is counted, not assumed (``benchmarks/_collectives.py``): the bytes,
+Traffic is counted, not assumed (``tests/support/collectives.py``): the bytes,
 elements and launches of the collective all-reduces that execute during a
 window, in all and for the gradient reductions. The wrapper's gradient bytes
 per window must be 1/N of plain's (the script exits 1 otherwise).
@@ -52,6 +52,16 @@ if __package__ in (None, ""):  # `python benchmarks/distributed.py`
     __package__ = "benchmarks"
 
 from benchmarks import _common as C  # noqa: E402
+
+
+def _tests_support() -> None:
+    """Put ``tests/`` on ``sys.path``: the launcher (``support.cluster``) and
+    the collective counter (``support.collectives``) are the multi-worker
+    tests' (``tests/support/``), shared with this benchmark."""
+    path = str(C.REPO_ROOT / "tests")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
 
 WORKERS = 2
 METHODS = ("plain", "accum", "builtin", "accum-eager", "builtin-eager")
@@ -93,7 +103,8 @@ def worker(p: dict, out: Path) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from benchmarks._collectives import CollectiveCounter
+    _tests_support()
+    from support.collectives import CollectiveCounter
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     task = strategy.cluster_resolver.task_id
@@ -170,7 +181,8 @@ def _window(step, batch, opt, n: int):
 # ------------------------------------------------------------------ parent
 def run(p: dict) -> dict:
     """Run the two workers; their figures, worker 0's as the row."""
-    from benchmarks._cluster import run_cluster
+    _tests_support()
+    from support.cluster import run_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         params = Path(tmp) / "params.json"
@@ -239,7 +251,7 @@ def markdown(data: dict) -> str:
         table(data, markdown=True),
         "",
         "`grad all-reduce`: the collectives executed while an optimizer all-reduces gradients, counted per "
-        "window by `benchmarks/_collectives.py`; `all collectives` adds everything else (none here: the "
+        "window by `tests/support/collectives.py`; `all collectives` adds everything else (none here: the "
         "input is a fixed distributed batch). The eager rows are `strategy.run` without `tf.function` "
         "(where Keras' built-in runs): compare them with each other.",
     ]

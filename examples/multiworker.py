@@ -130,8 +130,8 @@ def main() -> int:
     if "TF_CONFIG" in os.environ:
         worker()
         return 0
-    sys.path.insert(0, str(ROOT))
-    from benchmarks._cluster import Cluster
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.cluster import Cluster  # tests/support/cluster.py: the multi-worker tests' launcher
 
     with tempfile.TemporaryDirectory() as tmp:
         with Cluster([__file__], Path(tmp), num_workers=2, pythonpath=[str(ROOT)],

@@ -79,7 +79,7 @@ class TFBackend:
 
     def scattered(self, variable: Any) -> None:
         """Called after a scatter into ``variable`` (a hook: see
-        :func:`accum_optimizer.families._tf2.scattered`)."""
+        :meth:`accum_optimizer.families._tf2.TF2Backend.scattered`)."""
 
     def cond(self, pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
         static = None if isinstance(pred, tf.Variable) else tf.get_static_value(pred)

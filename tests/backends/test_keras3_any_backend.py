@@ -677,7 +677,7 @@ def test_bad_weights_are_refused_before_any_state_changes(mode):
     assert_bitwise_equal(before, values(loop.optimizer.variables), "state after a refused weight")
 
 
-@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow: tests/keras3/test_batch_norm.py")
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow: tests/contract/test_batch_norm.py")
 def test_pooled_batch_norm_is_the_parent_here_and_refused_by_an_accumulating_optimizer():
     """On JAX and torch, accum_optimizer.layers.BatchNormalization is the
     parent layer (plain training: bitwise Keras' moving statistics), and an

@@ -2,13 +2,13 @@
 worker processes on 127.0.0.1, one CPU device each, as in
 ``keras3/test_multiworker.py`` (the same worker script,
 ``tests/support/multiworker_worker.py``, its setting
-``support/multiworker_setup.py`` and launcher ``benchmarks/_cluster.py``),
+``support/multiworker_setup.py`` and launcher ``support/cluster.py``),
 here with ``tf.keras`` = Keras 2: the new optimizer API (``keras2``) and
 legacy ``OptimizerV2`` (``legacy``), in ``model.fit`` and a custom loop.
 
 Reference: the plain inner optimizer in this process, no strategy, batch
 ``N * B`` (``B`` the global micro-batch). The collectives are counted as
-they execute (``benchmarks/_collectives.py``): the gradient all-reduce runs
+they execute (``tests/support/collectives.py``): the gradient all-reduce runs
 once per update, never on an accumulate-only micro-step. Beside it, a real
 ``ParameterServerStrategy`` on a loopback cluster is refused by both
 families. One launch (about a minute on 2 CPU cores busy with other jobs);
@@ -23,7 +23,6 @@ require("keras2", "legacy")  # first, before Keras is imported: skips the module
 
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -31,11 +30,10 @@ import numpy as np
 import pytest
 
 from support import multiworker_setup as S
+from support.cluster import Cluster, ClusterError, port_clash
 from support.reference import make_data, make_mlp, max_abs_diff, train, weights
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks._cluster import Cluster, ClusterError, port_clash  # noqa: E402
 
 pytestmark = pytest.mark.multiworker
 

@@ -5,7 +5,9 @@ It checks that the scripts run, not how fast anything is: no timing is
 asserted. One run of ``python -m benchmarks --tiny`` (the entry point `make
 bench` uses, with the smallest sizes) is shared by the tests below. The
 bootstrap interval the overhead benchmark reports is checked against the
-exact bootstrap distribution of a small sample.
+exact bootstrap distribution of a small sample. The benchmarks run as
+processes (``python -m benchmarks ...``, ``python -c``): this module imports
+none of them.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks import _common as C  # noqa: E402  (no TensorFlow import at module level)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -211,15 +211,48 @@ def test_bootstrap_interval_matches_exact_bootstrap():
     assert p_x1 < 0.025 < p_le_x2  # the derivation above
     values = [3.0, 0.5, 2.0, 7.0, 1.0, 4.0, 11.0]  # x1..x7 = 0.5, 1, 2, 3, 4, 7, 11
     xs = sorted(values)
-    assert C.bootstrap_median_ci(values) == (xs[1], xs[5])
-    assert C.bootstrap_median_ci(values, seed=5) == (xs[1], xs[5])  # not an accident of one seed
-    assert C.bootstrap_median_ci([2.5] * 30) == (2.5, 2.5)
-    s = C.summarize_with_ci(values)
+    got = _bootstrap_results(values)
+    assert got["ci"] == [xs[1], xs[5]]
+    assert got["ci_seed5"] == [xs[1], xs[5]]  # not an accident of one seed
+    assert got["constant"] == [2.5, 2.5]
+    s = got["summary"]
     assert (s["ci_low"], s["median"], s["ci_high"], s["confidence"]) == (xs[1], xs[3], xs[5], 0.95)
-    with pytest.raises(ValueError, match="`values` is empty"):
-        C.bootstrap_median_ci([])
-    with pytest.raises(ValueError, match="`confidence`=1.5"):
-        C.bootstrap_median_ci(values, confidence=1.5)
+    assert "`values` is empty" in got["empty"]
+    assert "`confidence`=1.5" in got["confidence"]
+
+
+# `benchmarks._common`'s statistics (no TensorFlow import), in a process of their own.
+_BOOTSTRAP = r"""
+import json, sys
+from benchmarks import _common as C
+
+values = json.loads(sys.argv[1])
+
+
+def error(**kwargs):
+    try:
+        C.bootstrap_median_ci(**kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no ValueError"
+
+
+print(json.dumps({
+    "ci": C.bootstrap_median_ci(values),
+    "ci_seed5": C.bootstrap_median_ci(values, seed=5),
+    "constant": C.bootstrap_median_ci([2.5] * 30),
+    "summary": C.summarize_with_ci(values),
+    "empty": error(values=[]),
+    "confidence": error(values=values, confidence=1.5),
+}))
+"""
+
+
+def _bootstrap_results(values: list) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _BOOTSTRAP, json.dumps(values)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_sparse_output(tiny_run):

@@ -2,7 +2,7 @@
 two worker processes on 127.0.0.1, and preemption with ``BackupAndRestore``.
 
 Each worker is a separate Python process (``tests/support/multiworker_worker.py``)
-with one CPU device, started by ``benchmarks/_cluster.py`` with a
+with one CPU device, started by ``tests/support/cluster.py`` with a
 ``TF_CONFIG`` naming two free loopback ports; so the strategy has 2 replicas,
 one per process. To keep the time down, one launch runs many scenarios and
 writes one JSON file per scenario and worker; the tests below read them and
@@ -39,7 +39,6 @@ require("keras3")  # first, before Keras is imported: skips the module elsewhere
 
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -49,11 +48,10 @@ import pytest
 import tensorflow as tf
 
 from support import multiworker_setup as S
+from support.cluster import Cluster, ClusterError, port_clash
 from support.reference import make_data, make_mlp, max_abs_diff, train, weights
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks._cluster import Cluster, ClusterError, port_clash  # noqa: E402
 
 pytestmark = pytest.mark.multiworker
 

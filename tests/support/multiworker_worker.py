@@ -1,6 +1,6 @@
 """One worker of the multi-worker tests (``tests/keras3/test_multiworker.py``).
 
-Started by :class:`benchmarks._cluster.Cluster` with a ``TF_CONFIG`` naming
+Started by :class:`support.cluster.Cluster` with a ``TF_CONFIG`` naming
 two workers on ``127.0.0.1``; each worker has one CPU device, so the
 ``MultiWorkerMirroredStrategy`` has 2 replicas, one per process. One launch
 runs several scenarios in a row (each worker imports TensorFlow once) and
@@ -46,8 +46,8 @@ from support.families import available  # noqa: E402
 keras = S.keras  # Keras 3, or tf.keras where it is Keras 2 (the Keras 2 families' runs)
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
-from benchmarks._collectives import CollectiveCounter, deltas  # noqa: E402
 from multiworker import keras_fit_workaround  # noqa: E402  (examples/multiworker.py)
+from support.collectives import CollectiveCounter, deltas  # noqa: E402
 from support.reference import make_data, make_mlp  # noqa: E402
 
 
@@ -300,7 +300,7 @@ def parameter_server_check(out: Path) -> None:
     worker and one parameter server, gRPC servers on 127.0.0.1, this process
     the coordinator) and record whether ``AccumulatingOptimizer`` refuses it,
     at construction under the scope and at build under it."""
-    from benchmarks._cluster import free_ports
+    from support.cluster import free_ports
 
     ports = free_ports(3)
     spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],

@@ -7,7 +7,7 @@ into.
 (with the leg's Python and environment, see the Makefile; the package
 imported must be the one whose checkpoints are wanted: check the manifest's
 ``generated_by.accum_optimizer_file``). For each case of ``CASES`` whose
-families are usable here (``tests/families.py``), the script
+families are usable here (``tests/support/families.py``), the script
 
 1. trains the case's seeded model, uninterrupted, for the whole plan (the
    reference);
@@ -26,7 +26,7 @@ families are usable here (``tests/families.py``), the script
 data seed, micro-steps before and after the save, the recipe of the model
 and data, file names, the counters at the save and at the end, the
 variables' names) and the versions and machine that computed them.
-``tests/test_checkpoint_fixtures.py`` resumes each checkpoint with the
+``tests/contract/test_saved_checkpoints.py`` resumes each checkpoint with the
 package under test and requires the recorded continuation bitwise.
 """
 
@@ -48,12 +48,12 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent.parent
-sys.path.insert(0, str(TESTS))  # tests/families.py
+sys.path.insert(0, str(TESTS))  # the support package: tests/support/families.py
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import families  # noqa: E402
+from support import families  # noqa: E402
 
 LEGS = ("k3", "k3-oldest", "tfkeras", "tf215")
 K3, K2, ALL = ["k3", "k3-oldest"], ["tfkeras", "tf215"], list(LEGS)
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     manifest = {
         "leg": args.leg,
         "about": "Checkpoints saved mid-window and their expected continuation; see generate.py and "
-                 "tests/test_checkpoint_fixtures.py. The continuation is bitwise for the versions below "
+                 "tests/contract/test_saved_checkpoints.py. The continuation is bitwise for the versions below "
                  "on a CPU computing float32 like this one.",
         "generated_by": versions(),
         "format_files": R.FORMAT_FILES,

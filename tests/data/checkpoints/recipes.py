@@ -1,7 +1,7 @@
 """How each checkpoint fixture's model, data, optimizer and training are built.
 
 Shared by ``generate.py`` (which wrote the fixtures of every leg with the
-package at commit b72c6b1) and ``tests/test_checkpoint_fixtures.py`` (which
+package at commit b72c6b1) and ``tests/contract/test_saved_checkpoints.py`` (which
 resumes them with the package under test). A case is a JSON-able dict (see
 ``generate.py``'s ``CASES`` and each leg's ``manifest.json``); the functions
 here turn it into a model, data, an optimizer, training and a state snapshot.
@@ -14,7 +14,7 @@ fixtures on purpose. Only the package's public API is used
 ``FlushPartialWindow`` and the wrappers' public attributes), so that a
 reshaped package can be tested against fixtures saved by the old one.
 
-Import only after ``tests/families.py`` says the case's families are usable
+Import only after ``tests/support/families.py`` says the case's families are usable
 (the Keras that a family needs is imported on first use).
 """
 

@@ -7,8 +7,10 @@ killed as a whole. :class:`Cluster` is a context manager: leaving it, normally
 or on an exception, SIGKILLs every process group still alive, so no worker
 outlives a failed test or benchmark.
 
-Used by the multi-worker tests (``tests/keras3/test_multiworker.py``) and by
-``benchmarks/distributed.py``. Nothing here imports TensorFlow.
+Used by the multi-worker tests (``tests/keras3/test_multiworker.py``,
+``tests/keras2/test_multiworker.py``), by ``benchmarks/distributed.py`` and
+by ``examples/multiworker.py`` (which put ``tests/`` on ``sys.path``, as the
+tests have it). Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Count the collective all-reduces that EXECUTE under MultiWorkerMirroredStrategy.
 
 Used by the multi-worker tests (``tests/support/multiworker_worker.py``) and by
-``benchmarks/distributed.py``. Imports TensorFlow (unlike ``_cluster``).
+``benchmarks/distributed.py``. Imports TensorFlow (unlike :mod:`support.cluster`).
 
 Every dense all-reduce of ``MultiWorkerMirroredStrategy`` -- the gradients,
 Keras' per-step loss reduction, the end-of-data check of a distributed
