@@ -19,7 +19,10 @@ from typing import Any
 
 from accum_optimizer import _args, _dispatch, _packages
 
-__all__ = ["AccumulatingOptimizer", "CountedLoss", "FlushPartialWindow", "__version__"]
+__all__ = [
+    "AccumulatingOptimizer", "CountedLoss", "FlushPartialWindow", "OneReductionPerWindow", "device_value_and_grad",
+    "__version__",
+]
 __version__ = "0.2.0.dev0"
 
 
@@ -136,6 +139,10 @@ def __getattr__(name: str) -> Any:
         if name == "CountedLoss":
             return keras2_windows.counted_loss_class(package)
         return keras2_windows.flush_partial_window_class(package)
+    if name in ("OneReductionPerWindow", "device_value_and_grad"):  # Keras 3 on JAX
+        from accum_optimizer.families import keras3_jax  # (importable with any Keras; refuses at use)
+
+        return getattr(keras3_jax, name)
     if name == "AverageModelCheckpoint":  # tensorflow-addons' callback, for the wrapper
         from accum_optimizer._compat import keras2 as keras2_compat
 

@@ -95,6 +95,18 @@ def reported_count(reduction: str | None = None) -> Any:
     return pending["count"]
 
 
+def take_report() -> dict | None:
+    """Take the whole report pending in this train step (``count``,
+    ``reduction``, ``sources``, ``reporters``), or ``None``: for a train step
+    that turns a per-device count into the micro-batch's and reports that
+    (:class:`accum_optimizer.OneReductionPerWindow`)."""
+    pending = getattr(_pending, "value", None)
+    if pending is None or not any(pending["graph"] is g for g in _graphs()):
+        return None
+    _pending.value = None
+    return pending
+
+
 def micro_batch_count(values: Any, weights: Any, mask: Any, reduction: str, xp: Any = None) -> Any:
     """float32 scalar: the count ``c`` of one micro-batch, such that the
     Keras loss reduced with ``reduction`` is ``Σ(terms) / c``; 0 for a

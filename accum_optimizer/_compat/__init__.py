@@ -11,6 +11,8 @@ record (the symbol, why no public route serves, the versions it was checked
 on, and how to find it):
 
 * :mod:`~accum_optimizer._compat.keras3`: Keras 3;
+* :mod:`~accum_optimizer._compat.keras3_jax`: Keras 3's JAX trainer (imported
+  on the JAX backend only);
 * :mod:`~accum_optimizer._compat.keras2`: Keras 2 (``tf_keras``, Keras 2.x
   of TF <= 2.15) and its legacy ``OptimizerV2``;
 * :mod:`~accum_optimizer._compat.tf`: TensorFlow, its ``tf.compat.v1``

@@ -28,7 +28,7 @@ def _packages_for(distribution: str) -> list:
 
 
 def main() -> int:
-    for name in ("tf", "keras3", "keras2"):
+    for name in ("tf", "keras3", "keras3_jax", "keras2"):
         try:
             importlib.import_module(f"accum_optimizer._compat.{name}")
         except ImportError:

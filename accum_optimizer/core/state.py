@@ -235,7 +235,12 @@ class Backend(Protocol):
 
     # -- values
     def read(self, variable: Any) -> Any:
-        """The variable's current value (replica-local under a strategy)."""
+        """The variable's current value (replica-local under a strategy).
+
+        A backend whose accumulators hold one slice per device also has
+        ``read_window(acc, combine)``: the value the update uses, the
+        slices combined (``"sum"`` or ``"max"``); see
+        :func:`accum_optimizer.core.window.read_window`."""
 
     def cast(self, value: Any, dtype: Any) -> Any: ...
     def dtype(self, value: Any) -> Any:

@@ -293,7 +293,8 @@ def apply_window(
         divisor = b.read(state.window_weight)  # this replica's
     window = [
         b.cast_gradient(
-            b.read(acc) if state.combined_by_max(i) else window_gradient(b, acc, divisor, reduction, r), dtype
+            read_window(b, acc, "max") if state.combined_by_max(i)
+            else window_gradient(b, acc, divisor, reduction, r), dtype
         )
         for i, (acc, r, dtype) in enumerate(zip(state.acc_grads, handed, dtypes))
     ]
@@ -315,10 +316,21 @@ def window_gradient(b: Backend, acc: Any, divisor: Any, reduction: str, rows: An
     once (what a lazy sparse optimizer must see to match the large batch
     trained on its own sparse gradient).
     """
-    value = b.read(acc) if rows is None else b.gather_rows(acc, rows)
+    value = read_window(b, acc, "sum") if rows is None else b.gather_rows(acc, rows)
     if reduction == "mean":
         value = b.divide(value, b.cast(divisor, b.dtype(value)))
     return value if rows is None else b.sparse(value, rows, acc)
+
+
+def read_window(b: Backend, acc: Any, combine: str) -> Any:
+    """An accumulator's value for the window's update: ``b.read(acc)``, or,
+    where the backend keeps one accumulator per device (``b.read_window``:
+    Keras 3 on JAX with :class:`accum_optimizer.OneReductionPerWindow`), the
+    devices' values combined (``"sum"``: the one gradient reduction of the
+    window; ``"max"``: their element-wise maximum). Only inside the update,
+    so accumulate-only micro-steps reduce nothing across devices."""
+    read = getattr(b, "read_window", None)
+    return b.read(acc) if read is None else read(acc, combine)
 
 
 def reset(b: Backend, state: WindowState, rows: Sequence[Any]) -> list:

@@ -296,8 +296,27 @@ class KerasOpsBackend:
     sparse_indices = touched = gather_rows = sparse = fill_rows_like = scatter_update = _no_sparse
 
 
+class DeviceBackend(KerasOpsBackend):
+    """:class:`KerasOpsBackend` for accumulators with one slice per device
+    (shape ``(devices, *variable.shape)``, sharded over the batch axis of a
+    ``keras.distribution`` mesh: :class:`accum_optimizer.OneReductionPerWindow`).
+    Each micro-step adds each device's own partial gradient into its slice
+    (no communication); the update reads the slices' sum (one all-reduce,
+    inside the update's branch) or, for ``"max"`` state, their maximum."""
+
+    @staticmethod
+    def read_window(acc: Any, combine: str) -> Any:
+        value = ops.convert_to_tensor(acc)
+        return ops.max(value, axis=0) if combine == "max" else ops.sum(value, axis=0)
+
+
 class Accumulating(_accumulating.Accumulating):
     """The JAX and torch route of the Keras 3 wrapper (see the module)."""
+
+    def _device_count(self) -> int | None:
+        """The devices of the per-device accumulators (``use_device_accumulators``), else ``None``."""
+        devices = self.__dict__.get("_device_accumulators")
+        return None if devices is None else devices[1]
 
     def _check_weight(self, weight: Any) -> Any:
         return check_weight(weight)
@@ -306,7 +325,8 @@ class Accumulating(_accumulating.Accumulating):
         return list(self._build_order) + list(self.variables)
 
     def _backend(self) -> KerasOpsBackend:
-        return KerasOpsBackend(self._apply_inner, self._state_variables, self)
+        kind = KerasOpsBackend if self._device_count() is None else DeviceBackend
+        return kind(self._apply_inner, self._state_variables, self)
 
     # Every write of the window goes through these (Keras' optimizers write
     # through their own `assign*`, which Keras' tests patch). On torch they
@@ -347,18 +367,27 @@ class Accumulating(_accumulating.Accumulating):
 
     def _checked_gradients(self, grads: Sequence[Any], variables: list) -> list:
         checked = []
+        devices = self._device_count()
+        lead = () if devices is None else (devices,)
         for g, v in zip(grads, variables):
             if g is not None:
                 if not ops.is_tensor(g):
                     g = ops.convert_to_tensor(g, dtype=v.dtype)
-                if tuple(g.shape) != tuple(v.shape):
-                    raise shape_mismatch(tuple(g.shape), tuple(v.shape), variable_name(v))
+                if tuple(g.shape) != lead + tuple(v.shape):
+                    raise shape_mismatch(tuple(g.shape), lead + tuple(v.shape), variable_name(v))
             checked.append(g)
         return checked
 
+    def _pass_through(self, grads: list, variables: list, weight: Any) -> Any:
+        if self._device_count() is not None:  # (N = 1: each micro-step is its own window)
+            grads = [None if g is None else ops.sum(g, axis=0) for g in grads]
+        return super()._pass_through(grads, variables, weight)
+
     def _enter_window(self, grads: list, weight: Any = None) -> Any:
         # One program for every device (JAX's SPMD under keras.distribution):
-        # one replica, whose gradients XLA has already reduced.
+        # one replica, whose gradients XLA has already reduced (or, with
+        # per-device accumulators, each device's partial gradient, reduced
+        # once at the update: DeviceBackend.read_window).
         return self._micro_step(grads, core.ONE_REPLICA, weight)
 
     def _record_skipped_micro_step(self) -> None:

@@ -27,6 +27,7 @@ import keras
 from accum_optimizer import _args, _compat, core, counting
 from accum_optimizer._compat import keras3 as compat
 from accum_optimizer.families._accumulating import deserialize_schedule, serialize_schedule, variable_name
+from accum_optimizer.families.keras3_jax import DeviceAccumulators
 from accum_optimizer.families.keras3_saving import Keras3Saving
 
 if not str(keras.__version__).startswith("3."):  # Keras 2.x is `keras` on TF <= 2.15
@@ -44,8 +45,8 @@ _INNER_ONLY_ARGS = {**_args.KERAS_OPTIMIZER_ARGUMENTS, "loss_scale_factor": None
 
 
 @keras.saving.register_keras_serializable(package="accum_optimizer")
-class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3Saving, _route.Accumulating,
-                            keras.optimizers.Optimizer):
+class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3Saving, DeviceAccumulators,
+                            _route.Accumulating, keras.optimizers.Optimizer):
     """Accumulate gradients over micro-batches, update once per window.
 
     Each call to :meth:`apply` / :meth:`apply_gradients` is one *micro-step*:
@@ -277,8 +278,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
                 self.grad_received = self.add_variable(
                     shape=(len(var_list),), dtype="int", aggregation="only_first_replica", name="grad_received"
                 )
-                self.acc_grads = [self._replica_local(v, "acc_grad", v.shape, self._accumulator_dtype(v))
-                                  for v in var_list]
+                self.acc_grads = [self._accumulator(v) for v in var_list]
                 trackers = [
                     self._replica_local(v, "touched_rows", tuple(v.shape[:1]), "float16", autocast=False)
                     if len(v.shape) else None
@@ -326,7 +326,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         return _args.accumulator_dtype_for(keras.backend.standardize_dtype(variable.dtype), self.accumulator_dtype)
 
     def _replica_local(
-        self, reference: Any, kind: str, shape: Any, dtype: str, autocast: bool = True
+        self, reference: Any, kind: str, shape: Any, dtype: str, autocast: bool = True, layout: Any = None
     ) -> keras.Variable:
         """A zero-initialised replica-local (``ON_READ``, summed on read)
         variable beside ``reference`` (an accumulator, a row tracker).
@@ -335,13 +335,14 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         (:func:`_layout_beside`), as Keras' own optimizer variables do.
         Row trackers are float16: restoring a summed ``ON_READ`` variable
         divides the saved sum by the replica count, which turns an integer
-        mark of 1 into 0 but a float16 one into 0.5 (still a mark)."""
+        mark of 1 into 0 but a float16 one into 0.5 (still a mark).
+        ``layout``: another layout (per-device accumulators)."""
         name = f"{variable_name(reference).replace('/', '_').replace(':', '_')}_{kind}"
         with self._colocated_with(reference):
             variable = keras.Variable(
                 initializer=keras.initializers.Zeros(), shape=shape, dtype=dtype, trainable=False,
                 autocast=autocast, aggregation="sum", synchronization="on_read", name=name,
-                layout=_layout_beside(reference, len(shape)),
+                layout=layout or _layout_beside(reference, len(shape)),
             )
         return compat.track_variable(self, variable)
 

@@ -196,7 +196,7 @@ def test_the_private_symbol_listing_runs_without_tensorflow():
     """(On TensorFlow, tests/core/test_compat.py runs the same command.)"""
     from accum_optimizer import _compat
 
-    for name in ("tf", "keras3", "keras2"):  # what the command imports
+    for name in ("tf", "keras3", "keras3_jax", "keras2"):  # what the command imports
         try:
             importlib.import_module(f"accum_optimizer._compat.{name}")
         except ImportError:

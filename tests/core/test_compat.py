@@ -157,7 +157,8 @@ def test_no_underscore_attribute_of_a_framework_object_outside_compat(path):
 
 def _package_classes() -> list[type]:
     classes = []
-    for name in ("keras3", "keras3_saving", "keras3_windows", "keras2", "keras2_windows", "legacy", "tf1"):
+    for name in ("keras3", "keras3_jax", "keras3_saving", "keras3_windows", "keras2", "keras2_windows", "legacy",
+                 "tf1"):
         try:
             module = importlib.import_module(f"accum_optimizer.families.{name}")
         except ImportError:
@@ -190,7 +191,7 @@ def test_the_listing_command_lists_every_declared_symbol_and_exits_0():
     import os
     import subprocess
 
-    for name in ("tf", "keras3", "keras2"):  # what the command imports
+    for name in ("tf", "keras3", "keras3_jax", "keras2"):  # what the command imports
         try:
             importlib.import_module(f"accum_optimizer._compat.{name}")
         except ImportError:
