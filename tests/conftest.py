@@ -12,7 +12,7 @@ Keras 2 or 3): it imports TensorFlow and hypothesis, nothing of Keras.
   and the optimizer families usable here (``tests/support/families.py``).
 * Every test carries its family's marker (by folder; the contract tests by
   parameter), and ``--leave-out MARKER[,MARKER]`` deselects a leg's share
-  (see the Makefile).
+  (see .ci/legs.py).
 """
 
 import os
@@ -83,8 +83,8 @@ _FOLDER_FAMILY = {"backends": "keras3", "clients": "keras3"}
 def pytest_addoption(parser):
     parser.addoption(
         "--leave-out", action="append", default=[], metavar="MARKER[,MARKER...]",
-        help="deselect the tests that carry every one of these markers (a leg's own selection, set in the "
-             "Makefile; -m and -k stay free for PYTEST_ARGS). Repeatable.",
+        help="deselect the tests that carry every one of these markers (a leg's own selection, set in "
+             ".ci/legs.py; -m and -k stay free for PYTEST_ARGS). Repeatable.",
     )
 
 

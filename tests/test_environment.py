@@ -1,6 +1,6 @@
 """Each leg of ``make test`` is what its name says.
 
-The Makefile runs every leg with ``ACCUM_LEG=<leg>`` and ``ACCUM_LEG_PINS``
+.ci/legs.py runs every leg with ``ACCUM_LEG=<leg>`` and ``ACCUM_LEG_PINS``
 (the leg's pins, the same strings it installed). These tests check that the
 installed distributions satisfy those pins, that the TensorFlow / Keras that
 actually import are the pinned ones, and that exactly the leg's optimizer

@@ -506,7 +506,7 @@ def test_import_loads_no_framework_the_user_did_not_import():
 @pytest.mark.skipif(os.environ.get("ACCUM_LEG") not in ("k3-jax", "k3-torch"), reason="the k3-jax and k3-torch legs")
 def test_leg_runs_its_backend_without_tensorflow():
     """The leg is what its name says (make test): Keras 3 on its backend,
-    pinned as the Makefile installed it, and no TensorFlow installed."""
+    pinned as .ci/legs.py installed it, and no TensorFlow installed."""
     import importlib.util
     from importlib import metadata
 

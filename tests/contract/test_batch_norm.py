@@ -24,7 +24,7 @@ if any(skip_reason(f) is None for f in ("keras3", "keras2", "legacy")):
 keras = tf.keras
 
 # A window property: each Keras 2 family's cells run in one Keras 2 leg
-# (Makefile: keras2's in tfkeras, legacy's in tf215; one Keras 2 package each).
+# (.ci/legs.py: keras2's in tfkeras, legacy's in tf215; one Keras 2 package each).
 pytestmark = pytest.mark.windows
 TOL = 1e-6
 N, B, WINDOWS = 4, 8, 3

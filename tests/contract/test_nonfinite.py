@@ -22,7 +22,7 @@ import pytest
 from support.arrays import assert_bitwise_equal, max_abs_diff
 from support.drivers import FAMILIES, Inner, NotApplicable, driver, params
 
-pytestmark = pytest.mark.windows  # (the Makefile runs each Keras 2 family's in one leg)
+pytestmark = pytest.mark.windows  # (.ci/legs.py runs each Keras 2 family's in one leg)
 
 TOL = 1e-6  # float32 rounding of a few updates
 POISON = {"nan": np.nan, "inf": np.inf}

@@ -20,7 +20,7 @@ import pytest
 from support.arrays import assert_bitwise_equal
 from support.drivers import FAMILIES, Inner, NotApplicable, driver, params
 
-pytestmark = pytest.mark.windows  # (the Makefile runs each Keras 2 family's in one leg)
+pytestmark = pytest.mark.windows  # (.ci/legs.py runs each Keras 2 family's in one leg)
 
 
 def _run(d, fmt, directory, flush=True, drop_window=False):

@@ -56,7 +56,7 @@ def _recipes():
 
 
 def current_leg() -> str | None:
-    """``ACCUM_LEG``, else the leg these versions are (see the Makefile)."""
+    """``ACCUM_LEG``, else the leg these versions are (see .ci/legs.py)."""
     leg = os.environ.get("ACCUM_LEG")
     if leg:
         return leg

@@ -17,7 +17,7 @@ import tensorflow as tf
 from support.arrays import assert_bitwise_equal, max_abs_diff
 from support.drivers import FAMILIES, Inner, NotApplicable, driver, params
 
-pytestmark = pytest.mark.windows  # (the Makefile runs each Keras 2 family's in one leg)
+pytestmark = pytest.mark.windows  # (.ci/legs.py runs each Keras 2 family's in one leg)
 
 TOL = 1e-6
 

@@ -12,7 +12,7 @@ they execute (``tests/support/collectives.py``): the gradient all-reduce runs
 once per update, never on an accumulate-only micro-step. Beside it, a real
 ``ParameterServerStrategy`` on a loopback cluster is refused by both
 families. One launch (about a minute on 2 CPU cores busy with other jobs);
-the tfkeras leg runs it (the Makefile leaves the multi-worker processes out
+the tfkeras leg runs it (.ci/legs.py leaves the multi-worker processes out
 of tf215: time budget).
 """
 

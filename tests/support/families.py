@@ -9,7 +9,7 @@ imports Keras::
 
     import keras
 
-so that one test tree runs in every leg of ``make test`` (see the Makefile):
+so that one test tree runs in every leg of ``make test`` (see .ci/legs.py):
 a module whose family is absent is *skipped with a reason* (``pytest -ra``
 lists it), never an import error. Families:
 

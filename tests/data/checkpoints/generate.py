@@ -4,7 +4,7 @@ into.
 
     PYTHONPATH=. python tests/data/checkpoints/generate.py --leg k3 --out tests/data/checkpoints/k3
 
-(with the leg's Python and environment, see the Makefile; the package
+(with the leg's Python and environment, see .ci/legs.py; the package
 imported must be the one whose checkpoints are wanted: check the manifest's
 ``generated_by.accum_optimizer_file``). For each case of ``CASES`` whose
 families are usable here (``tests/support/families.py``), the script
