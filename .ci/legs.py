@@ -302,7 +302,8 @@ def _names(text: str) -> list:
 
 def main(argv: list) -> int:
     if not argv or argv[0] not in ("list", "venv", "run", "test"):
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        print("usage: python3 .ci/legs.py list | venv [LEG ...] | run LEG [PYTEST ARGS ...] | test",
+              file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
     extra = shlex.split(os.environ.get("PYTEST_ARGS", ""))
