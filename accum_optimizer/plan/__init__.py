@@ -10,24 +10,30 @@ of T", answered by measurement.
 or ``python -m accum_optimizer.plan mypkg.train:build_model
 mypkg.train:make_batch --target-batch-size 256 --memory-limit 10GiB``.
 
-Each probe trains the user's model at one micro-batch size B in a fresh
-process (an out-of-memory error is not safe to recover from in-process, and
-TensorFlow keeps part of a cleared model alive), with its optimizer wrapped
-in ``AccumulatingOptimizer(inner, 2)`` so that the accumulators and an
-update both count, and reports the allocator's peak
-(:mod:`accum_optimizer.plan._probe`); the next probe's process is started,
-and has imported TensorFlow, while the current one trains. The search
-doubles B from its start until a probe does not fit (or B reaches its
-maximum), then bisects between the last fit and the first failure, on
-multiples of ``multiple_of``, or, once the peaks grow with B, tries where
-the line through the two largest peaks meets the budget
-(:func:`linear_estimate`); the
+Every probe measures the user's model at one micro-batch size B with its
+optimizer wrapped in ``AccumulatingOptimizer(inner, 2)``, so that the
+accumulators and an update both count. How depends on the backend:
+
+* TensorFlow (Keras 3 on TensorFlow, Keras 2): three steps in a fresh
+  process (an out-of-memory error is not safe to recover from in-process,
+  and TensorFlow keeps part of a cleared model alive), reading TensorFlow's
+  allocator peak (:mod:`accum_optimizer.plan._probe`); the next probe's
+  process is started, and has imported TensorFlow, while the current one
+  trains.
+* JAX: in this process, XLA's memory analysis of the compiled train step
+  at B, no step run (:mod:`accum_optimizer.plan._jax`); under a
+  ``keras.distribution`` per device, B being the global micro-batch.
+* torch: on a CUDA device, in this process, torch's allocator peak over
+  three steps (:mod:`accum_optimizer.plan._torch`); refused on the CPU.
+
+The search is the same on every backend: it doubles B from its start until
+a probe does not fit (or B reaches its maximum), then bisects between the
+last fit and the first failure, on multiples of ``multiple_of``, or, once
+the peaks grow with B, tries where the line through the two largest peaks
+meets the budget (:func:`linear_estimate`); the
 plan's trials always hold the chosen B and the next multiple above it
 (unless the chosen B is the maximum), so the answer never rests on an
 unprobed neighbour. N is ``ceil(target / (B * replicas))``.
-
-The planner's own process trains nothing and allocates nothing on a device:
-each probe is a process of its own.
 """
 
 from __future__ import annotations
@@ -199,11 +205,30 @@ class Plan:
         device: where the probes ran (``"GPU:0"`` or ``"CPU:0"``).
         trials: every probe in order, each a dict with
             ``micro_batch_size``, ``peak_bytes`` (``None`` after an
-            out-of-memory error), ``fits``, ``seconds_per_micro_step``.
+            out-of-memory error; the largest of its repeats),
+            ``fits``, ``seconds_per_micro_step`` (``None`` on JAX: no step
+            runs), and where they apply ``peaks`` (each repeat's, bytes),
+            ``spread_bytes`` (largest minus smallest repeat), ``memory``
+            (JAX: XLA's figures, bytes: argument, output, alias, temp,
+            generated_code, peak) and ``probe_seconds``.
         seconds: how long planning took (wall clock).
+        backend: ``"tensorflow"`` (Keras 3 on TensorFlow, or Keras 2),
+            ``"jax"`` or ``"torch"``.
+        method: what a probe measured, in words.
+        data_parallel: under a ``keras.distribution``, the size of its batch
+            axis: B is the global micro-batch (a multiple of it, each
+            data-parallel group of devices takes ``B / data_parallel``) and
+            the peaks are per device; 1 otherwise.
+        devices: the devices one step runs on (the distribution's mesh), 1
+            without a distribution.
+        repeats: how many times each B was probed (``peak_bytes`` is the
+            largest; a B fits when that plus the spread fits).
+        spread_bytes: the chosen B's spread over its repeats (bytes), or
+            ``None`` when it was probed once.
 
     :attr:`balanced_micro_batch_size` is the same N's smallest micro-batch
-    that reaches the target (it fits too).
+    that reaches the target (it fits too); :attr:`headroom_bytes` the budget
+    minus the chosen B's peak.
     """
 
     micro_batch_size: int
@@ -219,6 +244,12 @@ class Plan:
     device: str
     trials: list
     seconds: float = 0.0
+    backend: str = "tensorflow"
+    method: str = "TensorFlow's allocator peak over three train_on_batch micro-steps, a process per B"
+    data_parallel: int = 1
+    devices: int = 1
+    repeats: int = 1
+    spread_bytes: int | None = None
 
     @property
     def balanced_micro_batch_size(self) -> int:
@@ -239,6 +270,17 @@ class Plan:
         """``margin * memory_limit``: the most a probe may use to fit."""
         return int(self.margin * self.memory_limit)
 
+    @property
+    def headroom_bytes(self) -> int:
+        """:attr:`budget_bytes` minus :attr:`peak_bytes` (bytes; per device
+        under a distribution)."""
+        return self.budget_bytes - self.peak_bytes
+
+    @property
+    def headroom_fraction(self) -> float:
+        """:attr:`headroom_bytes` as a fraction of :attr:`budget_bytes`."""
+        return self.headroom_bytes / self.budget_bytes
+
     def table(self) -> str:
         """The trials and the choice, as text."""
         lines = [f"{'B':>6} {'peak MiB':>10} {'fits':>5} {'s/micro-step':>13}"]
@@ -255,6 +297,21 @@ class Plan:
             + (f", {extra} more)" if extra else ")")
             + f"; planned in {self.seconds:.1f} s"
         )
+        headroom = (f"headroom at B={self.micro_batch_size}: {self.headroom_bytes / 2**20:.1f} MiB "
+                    f"({100 * self.headroom_fraction:.1f} % of the budget)")
+        if self.spread_bytes is not None:
+            headroom += (f"; its peak varied by {self.spread_bytes / 2**20:.1f} MiB over {self.repeats} probes "
+                         "(a B fits when its largest peak plus that spread does)")
+        elif self.backend == "jax":
+            headroom += "; XLA's figure is the same at every compile (no spread)"
+        else:
+            headroom += "; each B probed once (repeats=1): its spread not measured"
+        lines.append(headroom)
+        if self.backend != "tensorflow":
+            lines.append(f"peaks: {self.method}")
+        if self.data_parallel > 1 or self.devices > 1:
+            lines.append(f"B is the global micro-batch over data_parallel={self.data_parallel} "
+                         f"({self.devices} devices); peaks are per device")
         if self.balanced_micro_batch_size < self.micro_batch_size:
             lines.append(
                 f"closest to the target with N={self.gradient_accumulation_steps}: "
@@ -339,30 +396,37 @@ def gpu_memory_bytes() -> int | None:
         return None
 
 
-def check_backend() -> None:
-    """Refuse a Keras 3 backend whose memory the probes cannot measure.
-
-    A probe reads TensorFlow's allocator, so the planner needs the model to
-    train on TensorFlow: Keras 3 on TensorFlow, or Keras 2 (``tf_keras``
-    with ``TF_USE_LEGACY_KERAS=1``, or TF <= 2.15's ``tf.keras``). Keras 3
-    on JAX or torch would peak at 0 bytes in every trial.
+def check_backend() -> str:
+    """Which probe measures this process' Keras: ``"tensorflow"`` (Keras 3
+    on TensorFlow, or Keras 2: ``tf_keras`` with ``TF_USE_LEGACY_KERAS=1``,
+    or TF <= 2.15's ``tf.keras``), ``"jax"`` or ``"torch"`` (Keras 3's
+    backend, ``KERAS_BACKEND``).
 
     Raises:
-        NotImplementedError: Keras 3's backend (``KERAS_BACKEND``) is not
-            TensorFlow and ``TF_USE_LEGACY_KERAS`` is not set (the message
-            names the backend and what is accepted). A ``RuntimeError``.
+        NotImplementedError: Keras 3 on torch where torch sees no CUDA
+            device (:func:`accum_optimizer.plan._torch.check_device`: its
+            CPU allocator keeps no peak), or on a backend that does not
+            train (``numpy``, ``openvino``); the message names the backend
+            and what is accepted. A ``RuntimeError``.
     """
     from accum_optimizer._packages import keras3_backend, legacy_keras_requested
 
     backend = None if legacy_keras_requested() else keras3_backend()
-    if backend not in (None, "tensorflow"):
-        raise NotImplementedError(
-            f"The planner cannot measure Keras 3 on the {backend!r} backend (KERAS_BACKEND="
-            f"{os.environ.get('KERAS_BACKEND', '<unset>')}): each probe reads TensorFlow's allocator, "
-            "which a model on this backend does not use, so every trial would peak at 0 bytes. It "
-            "accepts Keras 3 on TensorFlow (run it with KERAS_BACKEND=tensorflow) or Keras 2 (tf_keras "
-            "with TF_USE_LEGACY_KERAS=1, or tf.keras on TensorFlow <= 2.15)."
-        )
+    if backend in (None, "tensorflow"):
+        return "tensorflow"
+    if backend == "torch":
+        from accum_optimizer.plan import _torch
+
+        _torch.check_device()
+        return "torch"
+    if backend == "jax":
+        return "jax"
+    raise NotImplementedError(
+        f"The planner cannot measure Keras 3 on the {backend!r} backend (KERAS_BACKEND="
+        f"{os.environ.get('KERAS_BACKEND', '<unset>')}): it does not train. It accepts Keras 3 on "
+        "TensorFlow, JAX, or torch with a CUDA device, and Keras 2 (tf_keras with "
+        "TF_USE_LEGACY_KERAS=1, or tf.keras on TensorFlow <= 2.15)."
+    )
 
 
 class _Prober:
@@ -514,6 +578,7 @@ def plan_accumulation(
     start: int = 1,
     verbose: bool = True,
     log: Callable[[str], None] = print,
+    repeats: int = 1,
 ) -> Plan:
     """Find the largest micro-batch size that fits, and the N that reaches
     ``target_batch_size`` with it, by measurement.
@@ -521,33 +586,47 @@ def plan_accumulation(
     Args:
         build: importable ``"module:function"``; the function (no arguments)
             returns a compiled Keras model (any optimizer; Keras 3 on
-            TensorFlow or Keras 2: see :func:`check_backend`).
+            TensorFlow, JAX or torch with CUDA, or Keras 2: see
+            :func:`check_backend`). On JAX, a ``keras.distribution`` active
+            once it returns (set in it, or before this call) makes the plan
+            per device, B the global micro-batch.
         batch: importable ``"module:function"``; ``function(B)`` returns one
             batch of B samples, ``(x, y)`` or ``(x, y, sample_weight)``.
         target_batch_size: the effective batch wanted (samples per update).
         memory_limit: bytes, or a string with a unit (``"10GiB"``); default:
             the first GPU's total memory (required where there is no GPU).
-        margin: a probe fits if its peak is at most ``margin * memory_limit``
-            (and it raised no out-of-memory error), in (0, 1].
+            Per device under a distribution.
+        margin: a probe fits if its peak (plus its spread, ``repeats > 1``)
+            is at most ``margin * memory_limit`` (and it raised no
+            out-of-memory error), in (0, 1].
         max_micro_batch_size: an upper bound for B; B never exceeds
             ``target_batch_size`` either.
-        multiple_of: B is a multiple of this (8 for tensor cores).
+        multiple_of: B is a multiple of this (8 for tensor cores); under a
+            distribution, of its least common multiple with the data-parallel
+            size too.
         replicas: devices training in sync (each takes B per micro-step);
-            default: the number of GPUs the probe sees, at least 1.
+            default: the number of GPUs the probe sees on TensorFlow, 1 on
+            JAX and torch. Not under a distribution (B is global there).
         start: the first B tried (rounded up to a multiple of ``multiple_of``).
         verbose: print one line per probe, then the table, through ``log``.
+        repeats: probe each B this many times (an int >= 1; stops at the
+            first that does not fit); its peak is the largest, its spread
+            the largest minus the smallest, and it fits when peak plus
+            spread is within the budget. On JAX every repeat gives the same
+            figure.
 
     Returns:
         The :class:`Plan`.
 
     Raises:
         ValueError: a bad argument (each message names it and the value
-            received); ``build`` or ``batch`` cannot be imported.
+            received); ``build`` or ``batch`` cannot be imported;
+            ``replicas`` given under a ``keras.distribution``.
         RuntimeError: the build or batch function raised in a probe (its
             traceback in the message); the model does not fit even at the
             smallest B (the message gives the bytes it needed and the budget).
-        NotImplementedError: Keras 3 runs on JAX or torch (before any
-            probe; :func:`check_backend`).
+        NotImplementedError: Keras 3 on torch without a CUDA device, before
+            any probe (:func:`check_backend`).
     """
     began = time.perf_counter()
     target_batch_size = _check_positive_int(target_batch_size, "target_batch_size")
@@ -555,11 +634,12 @@ def plan_accumulation(
     max_micro_batch_size = _check_positive_int(max_micro_batch_size, "max_micro_batch_size", allow_none=True)
     replicas = _check_positive_int(replicas, "replicas", allow_none=True)
     start = _check_positive_int(start, "start")
+    repeats = _check_positive_int(repeats, "repeats")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin <= 1:
         raise ValueError(f"`margin` must be a number in (0, 1]. Received: margin={margin!r}.")
-    check_backend()
-    load_function(build, "build")
-    load_function(batch, "batch")
+    backend = check_backend()
+    build_function = load_function(build, "build")
+    batch_function = load_function(batch, "batch")
     if memory_limit is None:
         memory_limit = gpu_memory_bytes()
         if memory_limit is None:
@@ -569,31 +649,77 @@ def plan_accumulation(
             )
     memory_limit = parse_bytes(memory_limit, "memory_limit")
     budget = int(margin * memory_limit)
-    maximum = min(target_batch_size, max_micro_batch_size or target_batch_size)
-    maximum -= maximum % multiple_of
-    if maximum < 1:
-        raise ValueError(
-            f"No micro-batch size is a multiple of multiple_of={multiple_of} and at most "
-            f"min(target_batch_size={target_batch_size}, max_micro_batch_size={max_micro_batch_size})."
-        )
 
+    def largest(multiple: int) -> int:
+        top = min(target_batch_size, max_micro_batch_size or target_batch_size)
+        top -= top % multiple
+        if top < 1:
+            raise ValueError(
+                f"No micro-batch size is a multiple of multiple_of={multiple} and at most "
+                f"min(target_batch_size={target_batch_size}, max_micro_batch_size={max_micro_batch_size})."
+            )
+        return top
+
+    maximum = largest(multiple_of)
     trials: list[dict] = []
     seen: dict = {}
 
+    if backend == "tensorflow":
+        prober: Any = _Prober(build, batch)
+    elif backend == "jax":
+        from accum_optimizer.plan._jax import JaxProbe
+
+        prober = JaxProbe(build_function, batch_function)
+    else:
+        from accum_optimizer.plan._torch import TorchProbe
+
+        prober = TorchProbe(build_function, batch_function, budget)
+    method = getattr(prober, "method", Plan.method)
+    data_parallel, devices = getattr(prober, "data_parallel", 1), getattr(prober, "devices", 1)
+    distribution = getattr(prober, "distribution", None)
+    seen.update(device=getattr(prober, "device", None), gpus=0)
+
     def fits(size: int) -> bool:
-        result = prober.measure(size, budget)
-        seen.update(device=result.get("device") or seen.get("device"), gpus=result.get("gpus", 0))
-        ok = not result["oom"] and result["peak_bytes"] is not None and result["peak_bytes"] <= budget
-        trial = {"micro_batch_size": size, "peak_bytes": result["peak_bytes"], "fits": ok,
-                 "seconds_per_micro_step": result["seconds_per_micro_step"]}
+        peaks, result, ok = [], None, True
+        probe_began = time.perf_counter()
+        for _ in range(repeats):
+            result = prober.measure(size, budget)
+            seen.update(device=result.get("device") or seen.get("device"), gpus=result.get("gpus", 0))
+            if result["oom"] or result["peak_bytes"] is None:
+                peaks, ok = None, False
+                break
+            peaks.append(result["peak_bytes"])
+            if max(peaks) + (max(peaks) - min(peaks)) > budget:
+                ok = False
+                break
+        peak = None if peaks is None else max(peaks)
+        spread = None if peaks is None or repeats == 1 else max(peaks) - min(peaks)
+        trial = {"micro_batch_size": size, "peak_bytes": peak, "fits": ok,
+                 "seconds_per_micro_step": result["seconds_per_micro_step"] if peak is not None else None}
+        if repeats > 1:
+            trial.update(peaks=peaks, spread_bytes=spread)
+        if result.get("memory") is not None:
+            trial["memory"] = result["memory"]
+        if backend != "tensorflow":
+            trial["probe_seconds"] = time.perf_counter() - probe_began
         trials.append(trial)
         if verbose:
-            peak = "out of memory" if trial["peak_bytes"] is None else f"peak {trial['peak_bytes'] / 2**20:.1f} MiB"
-            log(f"[plan] B={size}: {peak}, {'fits' if ok else 'does not fit'} "
+            text = "out of memory" if peak is None else f"peak {peak / 2**20:.1f} MiB"
+            if spread is not None:
+                text += f" (spread {spread / 2**20:.1f} MiB over {len(peaks)} probes)"
+            log(f"[plan] B={size}: {text}, {'fits' if ok else 'does not fit'} "
                 f"(budget {budget / 2**20:.1f} MiB)")
         return ok
 
-    with _Prober(build, batch) as prober:
+    with prober:
+        if distribution is not None:
+            if replicas not in (None, 1):
+                raise ValueError(
+                    f"`replicas` is not used under a keras.distribution ({type(distribution).__name__}): B is "
+                    f"the global micro-batch, split over its data-parallel axis. Received: replicas={replicas!r}."
+                )
+            multiple_of = math.lcm(multiple_of, data_parallel)
+            maximum = largest(multiple_of)
         chosen = search_micro_batch_size(fits, maximum, start, multiple_of, estimate=linear_estimate(trials, budget))
     if chosen is None:
         first = trials[0]
@@ -603,14 +729,19 @@ def plan_accumulation(
             f"{needed} against a budget of {budget} bytes (margin={margin} x memory_limit={memory_limit}). "
             "Raise memory_limit or margin, or make the model smaller (mixed precision, fewer parameters)."
         )
-    replicas = replicas or max(1, int(seen.get("gpus") or 0))
+    if backend == "tensorflow":
+        replicas = replicas or max(1, int(seen.get("gpus") or 0))
+    else:
+        replicas = replicas or 1
     steps = -(-target_batch_size // (chosen * replicas))
-    peak = next(t["peak_bytes"] for t in trials if t["micro_batch_size"] == chosen)
+    chosen_trial = next(t for t in trials if t["micro_batch_size"] == chosen)
     plan = Plan(
         micro_batch_size=chosen, gradient_accumulation_steps=steps, effective_batch_size=steps * chosen * replicas,
-        peak_bytes=peak, target_batch_size=target_batch_size, memory_limit=memory_limit, margin=float(margin),
-        replicas=replicas, multiple_of=multiple_of, max_micro_batch_size=maximum,
+        peak_bytes=chosen_trial["peak_bytes"], target_batch_size=target_batch_size, memory_limit=memory_limit,
+        margin=float(margin), replicas=replicas, multiple_of=multiple_of, max_micro_batch_size=maximum,
         device=seen.get("device") or "CPU:0", trials=trials, seconds=time.perf_counter() - began,
+        backend=backend, method=method, data_parallel=data_parallel, devices=devices, repeats=repeats,
+        spread_bytes=chosen_trial.get("spread_bytes"),
     )
     if verbose:
         log(plan.table())

@@ -1,10 +1,11 @@
 """``python -m accum_optimizer.plan BUILD BATCH --target-batch-size T
-[--memory-limit 10GiB] [--json plan.json] [--plot plan.png]``: the planner
-from the command line (:func:`accum_optimizer.plan.plan_accumulation`, the
-same arguments). Prints a line per probe, then the table; writes the JSON
-and the plot only once the plan is complete. Exit status 2 for a bad
-argument, a model that does not fit or a Keras 3 backend other than
-TensorFlow (refused before any probe), with the message on stderr."""
+[--memory-limit 10GiB] [--repeats 3] [--json plan.json] [--plot plan.png]``:
+the planner from the command line
+(:func:`accum_optimizer.plan.plan_accumulation`, the same arguments). Prints
+a line per probe, then the table; writes the JSON and the plot only once the
+plan is complete. Exit status 2 for a bad argument, a model that does not
+fit or a backend the planner cannot measure (torch without CUDA: refused
+before any probe), with the message on stderr."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m accum_optimizer.plan",
         description="Find the largest micro-batch size B that fits in memory, and the "
                     "gradient_accumulation_steps N that reaches the target effective batch, by measurement "
-                    "(each B trained for three steps in a fresh process).",
+                    "(TensorFlow: each B trained for three steps in a fresh process; JAX: XLA's memory analysis "
+                    "of the compiled train step; torch: CUDA's allocator peak over three steps).",
     )
     parser.add_argument("build", help="importable 'module:function' returning a compiled Keras model")
     parser.add_argument("batch", help="importable 'module:function', B -> one batch (x, y[, sample_weight])")
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multiple-of", type=int, default=1, help="B a multiple of this (default 1)")
     parser.add_argument("--replicas", type=int, default=None, help="devices in sync (default: the GPUs seen, >= 1)")
     parser.add_argument("--start", type=int, default=1, help="the first B tried (default 1)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="probe each B this many times; it fits when its largest peak plus the spread does "
+                             "(default 1)")
     parser.add_argument("--json", default=None, help="write the plan here")
     parser.add_argument("--plot", default=None, help="plot peak memory against B here (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_accumulation(
             args.build, args.batch, target_batch_size=args.target_batch_size, memory_limit=args.memory_limit,
             margin=args.margin, max_micro_batch_size=args.max_micro_batch_size, multiple_of=args.multiple_of,
-            replicas=args.replicas, start=args.start,
+            replicas=args.replicas, start=args.start, repeats=args.repeats,
         )
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

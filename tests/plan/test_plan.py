@@ -222,7 +222,8 @@ def test_command_line_gives_the_plan_of_the_function(tmp_path, monkeypatch, peak
             "--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png")]
     assert cli.main(argv) == 0
     assert calls == [((BUILD, BATCH), dict(target_batch_size=40, memory_limit="1GiB", margin=0.8,
-                                          max_micro_batch_size=16, multiple_of=16, replicas=1, start=16))]
+                                          max_micro_batch_size=16, multiple_of=16, replicas=1, start=16,
+                                          repeats=1))]
     got = Plan.from_json(tmp_path / "plan.json")
     assert (got.micro_batch_size, got.gradient_accumulation_steps, got.effective_batch_size) == (16, 3, 48)
     assert [t["micro_batch_size"] for t in got.trials] == [16]

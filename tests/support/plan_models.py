@@ -56,3 +56,64 @@ def batch_oom_above(micro_batch_size):
 
         raise tf.errors.ResourceExhaustedError(None, None, f"OOM when allocating a batch of {micro_batch_size}")
     return batch(micro_batch_size)
+
+
+# An MLP whose state is large beside its activations (about 0.3 M float32
+# parameters: 1.2 MiB per copy, so the accumulators stand out in the
+# planner's figures on JAX), with layers named for a LayoutMap; 64 inputs,
+# 8 outputs, mean squared error.
+MLP_IN, MLP_HIDDEN, MLP_OUT = 64, 512, 8
+MLP_LAYOUTS = {".*d1/kernel": (None, "model"), ".*d2/kernel": ("model", None), ".*d3/kernel": (None, "model")}
+"""Tensor-parallel ``LayoutMap`` entries (path regex -> axes) for ``build_mlp``."""
+
+
+def build_mlp():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((MLP_IN,)),
+        keras.layers.Dense(MLP_HIDDEN, activation="relu", name="d1"),
+        keras.layers.Dense(MLP_HIDDEN, activation="relu", name="d2"),
+        keras.layers.Dense(MLP_OUT, name="d3"),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+def batch_mlp(micro_batch_size):
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(micro_batch_size, MLP_IN)).astype(np.float32)
+    y = rng.normal(size=(micro_batch_size, MLP_OUT)).astype(np.float32)
+    return x, y
+
+
+def set_mlp_distribution(kind):
+    """``keras.distribution.set_distribution`` for ``build_mlp`` over every
+    JAX device as a 2-row mesh (``batch`` x ``model``): ``"model_parallel"``
+    (the ``MLP_LAYOUTS`` kernels sharded over ``model``, the batch over
+    ``batch``) or ``"data_parallel"`` (the batch over every device)."""
+    import jax
+    import keras
+
+    devices = jax.devices()
+    if kind == "data_parallel":
+        distribution = keras.distribution.DataParallel(devices=devices)
+    else:
+        mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"], devices)
+        layouts = keras.distribution.LayoutMap(mesh)
+        for path, axes in MLP_LAYOUTS.items():
+            layouts[path] = axes
+        distribution = keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+    keras.distribution.set_distribution(distribution)
+    return distribution
+
+
+def build_mlp_model_parallel():
+    set_mlp_distribution("model_parallel")
+    return build_mlp()
+
+
+def build_mlp_data_parallel():
+    set_mlp_distribution("data_parallel")
+    return build_mlp()
