@@ -137,18 +137,21 @@ LEGS = {
     "k3-jax": Leg(
         venv=f"{VENVS}/k3-jax", extras="test,keras3,plan", pins=("keras==3.15.*", "jax[cpu]==0.10.*", *KERAS_HUB_DEPS),
         nodeps=tuple(KERAS_HUB), env=(("KERAS_BACKEND", "jax"),),
-        args=("tests/backends", "tests/clients", "tests/docs", *EVERY_LEG), lane=1,
+        args=("tests/backends", "tests/clients", "tests/docs", "tests/plan", *EVERY_LEG), lane=1,
         proves="Keras 3.15 on JAX 0.10 (CPU wheels), no TensorFlow: the tests written once with keras.ops and "
-               "NumPy (tests/backends/; k3 runs them on TensorFlow), keras-hub's tasks, the framework-free core and the references"),
+               "NumPy (tests/backends/; k3 runs them on TensorFlow), keras-hub's tasks, the planner on JAX "
+               "(tests/plan/: XLA's memory analysis, per device on 4 simulated CPU devices), the framework-free "
+               "core and the references"),
     "k3-torch": Leg(
         # torch 2.13.0: the CPU build these machines keep on disk (1.1 GB venv,
         # under a minute); any other torch from the index is a CUDA build of 5.5 GB.
         venv=f"{VENVS}/k3-torch", extras="test,keras3,plan",
         pins=("keras==3.15.*", "torch==2.13.0", *KERAS_HUB_DEPS), nodeps=tuple(KERAS_HUB),
-        env=(("KERAS_BACKEND", "torch"),), args=("tests/backends", "tests/clients", "tests/docs", *EVERY_LEG),
-        lane=1,
+        env=(("KERAS_BACKEND", "torch"),),
+        args=("tests/backends", "tests/clients", "tests/docs", "tests/plan", *EVERY_LEG), lane=1,
         proves="Keras 3.15 on torch 2.13 (its CPU build), no TensorFlow: tests/backends/, keras-hub's tasks, "
-               "the framework-free core and the references"),
+               "the planner's refusal on the CPU (tests/plan/; its CUDA test skips), the framework-free core "
+               "and the references"),
 }
 
 INSTALL_LOCK = threading.Lock()  # installs take turns

@@ -37,6 +37,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from accum_optimizer.plan._inprocess import InProcessProbe
+
 METHOD = "XLA memory_analysis of the compiled train step (no step run)"
 
 
@@ -80,13 +82,13 @@ def data_parallel_size(distribution: Any) -> int:
     return int(mesh.shape[list(mesh.axis_names).index(axis)])
 
 
-class JaxProbe:
+class JaxProbe(InProcessProbe):
     """Build the user's model once; :meth:`measure` compiles its train step
     at one B and reads XLA's memory analysis.
 
     Args:
         build: the user's build function (no arguments -> a compiled Keras
-            model).
+            model); it may set a ``keras.distribution``.
         make_batch: the user's batch function (B -> ``(x, y[, sample_weight])``).
 
     Attributes:
@@ -108,16 +110,8 @@ class JaxProbe:
         import jax
         import keras
 
-        from accum_optimizer import AccumulatingOptimizer
-        from accum_optimizer.plan._probe import _accumulating
-
-        self._jax, self._make_batch = jax, make_batch
-        try:
-            model = build()
-            model.compile(optimizer=_accumulating(model.optimizer, AccumulatingOptimizer), loss=model.loss)
-        except Exception:  # noqa: BLE001 - the user's to see, whole
-            raise RuntimeError(f"Building the model raised, in the planner's process:\n{traceback.format_exc()}") from None
-        self.model = model
+        super().__init__(build, make_batch)
+        self._jax = jax
         self.distribution = keras.distribution.distribution()
         self.data_parallel = data_parallel_size(self.distribution)
         platform = jax.devices()[0].platform.upper()
@@ -128,15 +122,10 @@ class JaxProbe:
             self.device = f"{self.devices} x {platform} (per device)"
         self._step = None
 
-    def __enter__(self) -> "JaxProbe":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def close(self) -> None:
         """Drop the model and the jitted step (nothing else to release)."""
-        self.model = self._step = None
+        super().close()
+        self._step = None
 
     def _prepare(self, data: Any) -> None:
         """Build what ``build()`` left unbuilt (the model on one sample of
@@ -172,7 +161,7 @@ class JaxProbe:
                 sharding = self.distribution.get_data_layout(shape).backend_layout
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        return jax.tree.map(leaf, tuple(data) if isinstance(data, list) else data, is_leaf=lambda a: a is None)
+        return jax.tree.map(leaf, data, is_leaf=lambda a: a is None)
 
     def measure(self, micro_batch_size: int, budget_bytes: int | None = None) -> dict:
         """Compile the train step at B = ``micro_batch_size`` (the global
@@ -193,13 +182,7 @@ class JaxProbe:
             RuntimeError: the batch function raised, or the step does not
                 compile (the traceback in the message).
         """
-        try:
-            data = self._make_batch(micro_batch_size)
-        except Exception:  # noqa: BLE001
-            raise RuntimeError(f"The batch function at micro_batch_size={micro_batch_size} raised, in the planner's "
-                               f"process:\n{traceback.format_exc()}") from None
-        if not isinstance(data, (tuple, list)):
-            data = (data,)
+        data = self.batch(micro_batch_size)
         began = time.perf_counter()
         try:
             if self._step is None:

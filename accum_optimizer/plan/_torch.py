@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import gc
 import time
-import traceback
 from typing import Any, Callable
+
+from accum_optimizer.plan._inprocess import InProcessProbe
 
 METHOD = "torch.cuda.max_memory_allocated over three train_on_batch micro-steps"
 
@@ -44,7 +45,7 @@ def check_device() -> None:
         )
 
 
-class TorchProbe:
+class TorchProbe(InProcessProbe):
     """Build the user's model once on the CUDA device; :meth:`measure`
     trains three micro-steps at one B and reads the allocator's peak.
 
@@ -52,7 +53,8 @@ class TorchProbe:
         build: the user's build function (no arguments -> a compiled model).
         make_batch: the user's batch function (B -> ``(x, y[, sample_weight])``).
         budget_bytes: the process is capped there
-            (``set_per_process_memory_fraction``), or not capped if ``None``.
+            (``set_per_process_memory_fraction``, lifted by :meth:`close`),
+            or not capped if ``None``.
 
     Raises:
         NotImplementedError: no CUDA device (:func:`check_device`).
@@ -60,18 +62,12 @@ class TorchProbe:
     """
 
     method = METHOD
-    data_parallel = 1
-    devices = 1
-    distribution = None
 
     def __init__(self, build: Callable[[], Any], make_batch: Callable[[int], Any], budget_bytes: int | None = None):
         check_device()
         import torch
 
-        from accum_optimizer import AccumulatingOptimizer
-        from accum_optimizer.plan._probe import _accumulating
-
-        self._torch, self._make_batch = torch, make_batch
+        self._torch = torch
         self._index = index = torch.cuda.current_device()
         self.device = f"GPU:{index}"
         self._capped = bool(budget_bytes)
@@ -79,23 +75,16 @@ class TorchProbe:
             total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), index)
         try:
-            model = build()
-            model.compile(optimizer=_accumulating(model.optimizer, AccumulatingOptimizer), loss=model.loss)
-        except Exception:  # noqa: BLE001
-            raise RuntimeError(f"Building the model raised, in the planner's process:\n{traceback.format_exc()}") from None
-        self.model = model
-
-    def __enter__(self) -> "TorchProbe":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+            super().__init__(build, make_batch)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Drop the model, free torch's cache and lift the process' cap (the
         planner's process may train next)."""
         torch = self._torch
-        self.model = None
+        super().close()
         gc.collect()
         torch.cuda.empty_cache()
         if self._capped:
@@ -114,12 +103,7 @@ class TorchProbe:
             two micro-steps after the first.
         """
         torch = self._torch
-        try:
-            batch = self._make_batch(micro_batch_size)
-        except Exception:  # noqa: BLE001
-            raise RuntimeError(f"The batch function at micro_batch_size={micro_batch_size} raised, in the planner's "
-                               f"process:\n{traceback.format_exc()}") from None
-        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        batch = self.batch(micro_batch_size)
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()

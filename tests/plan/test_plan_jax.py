@@ -25,10 +25,9 @@ import sys
 
 import pytest
 
-keras = pytest.importorskip("keras")
-if not keras.__version__.startswith("3.") or keras.backend.backend() != "jax":
-    pytest.skip(f"the planner on JAX: Keras 3 with KERAS_BACKEND=jax (the k3-jax leg); this is Keras "
-                f"{keras.__version__} on {keras.backend.backend()}", allow_module_level=True)
+from support.families import require_keras3_backend
+
+keras = require_keras3_backend("jax")
 
 from accum_optimizer.plan import Plan, plan_accumulation  # noqa: E402
 from support import plan_jax, plan_models  # noqa: E402
@@ -181,3 +180,17 @@ def test_bad_arguments_on_jax_are_named_before_any_probe(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         plan_accumulation(**args, verbose=False)
+
+
+def test_the_jax_example_in_the_docs_is_the_saved_plan():
+    """docs/plan.md shows the table of ``docs/plan/plan_jax.json``, which the
+    command it names wrote (the example CNN planned on JAX)."""
+    root = TESTS.parent
+    plan = Plan.from_json(root / "docs" / "plan" / "plan_jax.json")
+    assert plan.backend == "jax" and plan.micro_batch_size % plan.multiple_of == 0
+    assert all(t["memory"]["peak"] == t["peak_bytes"] for t in plan.trials)
+    text = (root / "docs" / "plan.md").read_text()
+    block = text.split("<!-- plan-jax-example:begin -->")[1].split("<!-- plan-jax-example:end -->")[0]
+    assert block.strip() == f"```text\n{plan.table()}\n```"
+    assert ("KERAS_BACKEND=jax python -m accum_optimizer.plan examples.plan_model:build examples.plan_model:batch "
+            "\\\n    --target-batch-size 1024 --memory-limit 512MiB --multiple-of 8 --json docs/plan/plan_jax.json") in text

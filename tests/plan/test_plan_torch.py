@@ -21,10 +21,9 @@ import sys
 
 import pytest
 
-keras = pytest.importorskip("keras")
-if not keras.__version__.startswith("3.") or keras.backend.backend() != "torch":
-    pytest.skip(f"the planner on torch: Keras 3 with KERAS_BACKEND=torch (the k3-torch leg); this is Keras "
-                f"{keras.__version__} on {keras.backend.backend()}", allow_module_level=True)
+from support.families import require_keras3_backend
+
+keras = require_keras3_backend("torch")
 
 import torch  # noqa: E402
 

@@ -155,3 +155,15 @@ def requires(*families: str) -> pytest.MarkDecorator:
     """``@requires("tfa")`` on one test or class: skip it unless every family is usable."""
     reasons = [r for r in map(skip_reason, families) if r is not None]
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons))
+
+
+def require_keras3_backend(backend: str):
+    """Skip the calling module, with the reason, unless ``import keras`` is
+    Keras 3 on ``backend`` (``KERAS_BACKEND``: the k3-jax and k3-torch
+    legs); else return the ``keras`` module."""
+    keras = pytest.importorskip("keras")
+    here = getattr(keras.backend, "backend", lambda: "tensorflow")()
+    if not keras.__version__.startswith("3.") or here != backend:
+        pytest.skip(f"needs Keras 3 on {backend} (KERAS_BACKEND={backend}, the k3-{backend} leg); this is Keras "
+                    f"{keras.__version__} on {here}", allow_module_level=True)
+    return keras
