@@ -232,7 +232,25 @@ def test_command_line_gives_the_plan_of_the_function(tmp_path, monkeypatch, peak
 
 
 # ------------------------------------------------------------------ errors
+def test_repeats_measure_a_sizes_spread_over_fresh_processes_and_fit_with_it():
+    """``repeats=3`` at the one size asked for (B = 16): three probes, each in
+    a fresh process; the trial's peak is the largest, its spread the largest
+    minus the smallest; it fits because peak plus spread is within a 1 GiB
+    limit; the plan and its table give the spread and the headroom."""
+    plan = plan_accumulation(BUILD, BATCH, target_batch_size=32, memory_limit="1GiB", max_micro_batch_size=16,
+                             multiple_of=16, start=16, repeats=3, verbose=False)
+    (trial,) = plan.trials
+    peaks = trial["peaks"]
+    assert len(peaks) == 3 and all(p > 0 for p in peaks) and trial["fits"]
+    assert trial["peak_bytes"] == max(peaks) == plan.peak_bytes
+    assert trial["spread_bytes"] == max(peaks) - min(peaks) == plan.spread_bytes
+    assert plan.repeats == 3 and plan.headroom_bytes == plan.budget_bytes - max(peaks)
+    assert (f"headroom at B=16: {plan.headroom_bytes / 2**20:.1f} MiB" in plan.table()
+            and f"varied by {plan.spread_bytes / 2**20:.1f} MiB over 3 probes" in plan.table())
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(repeats=0), r"`repeats` must be a positive integer.*repeats=0"),
     (dict(target_batch_size=0), r"`target_batch_size` must be a positive integer.*target_batch_size=0"),
     (dict(memory_limit="-1GiB"), r"`memory_limit` must be a positive.*'-1GiB'"),
     (dict(memory_limit="10 parsecs"), r"`memory_limit`.*'10 parsecs'"),

@@ -21,6 +21,9 @@ starts with 4 CPU devices (``XLA_FLAGS`` set here before JAX is imported):
   ``/proc/self/status``, the high-water mark reset through
   ``/proc/self/clear_refs``); one B per process, so that no earlier step's
   freed memory is reused;
+* ``device_step B``: on a GPU, the planner's figure at B against the
+  device allocator's peak over the first execution of an independently
+  compiled step (``memory_stats()``);
 * ``model_parallel M`` / ``data_parallel M``: the plan of the MLP (multiple
   of M) under that ``keras.distribution``
   (``support.plan_models.set_mlp_distribution``, a 2 x 2 mesh or 4-way data
@@ -122,6 +125,26 @@ def first_step(micro_batch_size: int) -> dict:
             "rss_before": before["VmRSS"], "hwm_after": after["VmHWM"]}
 
 
+def device_step(micro_batch_size: int) -> dict:
+    """On a device that keeps allocator statistics (a GPU's
+    ``memory_stats()``): the planner's figure at B, the bytes in use before
+    the first execution of an independently compiled step and the
+    allocator's peak after it."""
+    import jax
+
+    from accum_optimizer.plan._jax import JaxProbe
+    from support import plan_models
+
+    planned = JaxProbe(plan_models.build_mlp, plan_models.batch_mlp).measure(micro_batch_size)["memory"]
+    compiled, state, data = compiled_step(plan_models.build_mlp, plan_models.batch_mlp, micro_batch_size)
+    device = jax.devices()[0]
+    before = device.memory_stats()
+    jax.block_until_ready(compiled(state, data))
+    after = device.memory_stats()
+    return {"micro_batch_size": micro_batch_size, "planned": planned, "platform": device.platform,
+            "in_use_before": before["bytes_in_use"], "peak_after": after["peak_bytes_in_use"]}
+
+
 def sharded(kind: str, multiple_of: int) -> dict:
     """The plan under ``kind``'s distribution and the independent figures."""
     import keras
@@ -150,7 +173,10 @@ def sharded(kind: str, multiple_of: int) -> dict:
 
 def main(argv: list[str]) -> int:
     kind = argv[0]
-    result = first_step(int(argv[1])) if kind == "first_step" else sharded(kind, int(argv[1]))
+    if kind in ("first_step", "device_step"):
+        result = (first_step if kind == "first_step" else device_step)(int(argv[1]))
+    else:
+        result = sharded(kind, int(argv[1]))
     print(json.dumps(result))
     return 0
 
