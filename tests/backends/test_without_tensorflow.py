@@ -6,9 +6,8 @@ installed (keras-hub installs it):
   ``tensorflow``. Each runs in a fresh process with an import hook that
   records (and refuses) every attempt, so the check fails in a leg without
   TensorFlow too, where ``"tensorflow" in sys.modules`` could never be true.
-* The planner refuses, before its first probe, a Keras 3 backend whose
-  memory it cannot measure (it reads TensorFlow's allocator), naming the
-  backend and what it accepts; its command line exits 2 with that message.
+* The planner plans on JAX, and refuses torch without CUDA before its first
+  probe, without trying to import TensorFlow.
 * ``python -m accum_optimizer._compat`` lists every record and exits 0.
 
 The subprocess checks run under each non-TensorFlow backend installed here
@@ -158,36 +157,30 @@ def batch(size):
 
 @needs_other_backend
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)
-def test_the_planners_command_refuses_the_backend_before_any_probe(backend, tmp_path):
+def test_the_planner_never_imports_tensorflow(backend, tmp_path):
+    """On JAX the planner plans (XLA's analysis, in its own process); on
+    torch without CUDA it refuses before any probe, naming the backend, the
+    device and what works (tests/plan/test_plan_jax.py and test_plan_torch.py
+    check the figures and the refusal themselves). Neither tries to import
+    TensorFlow."""
     (tmp_path / "tiny_model.py").write_text(BUILD_MODULE)
-    environment = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
-    environment.update(KERAS_BACKEND=backend,
-                       PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    done = subprocess.run(
-        [sys.executable, "-m", "accum_optimizer.plan", "tiny_model:build", "tiny_model:batch",
-         "--target-batch-size", "8", "--memory-limit", "1GiB"],
-        capture_output=True, text=True, env=environment, timeout=600,
-    )
-    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "[plan]" not in done.stdout  # no probe ran
-    message = done.stderr
-    assert f"'{backend}' backend" in message, message
-    assert "KERAS_BACKEND=tensorflow" in message and "Keras 2" in message, message
-
-
-@on_other_backend
-def test_the_planner_refuses_the_backend_before_any_probe(tmp_path, monkeypatch):
-    from accum_optimizer import plan
-
-    (tmp_path / "tiny_model_api.py").write_text(BUILD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    probes = []
-    monkeypatch.setattr(plan, "probe", lambda *args, **kwargs: probes.append(args))
-    with pytest.raises(NotImplementedError, match=f"'{BACKEND}' backend") as got:
-        plan.plan_accumulation("tiny_model_api:build", "tiny_model_api:batch", target_batch_size=8,
-                               memory_limit="1GiB", verbose=False)
-    assert isinstance(got.value, RuntimeError)  # what the command line reports, exit status 2
-    assert probes == []
+    result = _run(backend, """
+        from accum_optimizer.plan import plan_accumulation
+        try:
+            plan = plan_accumulation("tiny_model:build", "tiny_model:batch", target_batch_size=8,
+                                     memory_limit="1GiB", verbose=False)
+            report(plan=[plan.backend, plan.micro_batch_size, plan.gradient_accumulation_steps])
+        except NotImplementedError as e:
+            import torch
+            report(refused=str(e), cuda=torch.cuda.is_available())
+    """, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    _no_attempts(result)
+    if backend == "jax":
+        assert result["plan"] == ["jax", 8, 1], result
+    elif not result.get("cuda"):
+        message = result["refused"]
+        assert message.startswith("The planner cannot measure Keras 3 on the 'torch' backend on the CPU"), message
+        assert "KERAS_BACKEND=jax" in message and "KERAS_BACKEND=tensorflow" in message, message
 
 
 # --------------------------------------- `python -m accum_optimizer._compat`
