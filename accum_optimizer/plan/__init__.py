@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["Plan", "plan_accumulation", "parse_bytes", "search_micro_batch_size", "linear_estimate"]
+__all__ = ["Plan", "plan_accumulation", "parse_bytes", "search_micro_batch_size", "linear_estimate", "REMAT_MODES"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -225,6 +225,13 @@ class Plan:
             largest; a B fits when that plus the spread fits).
         spread_bytes: the chosen B's spread over its repeats (bytes), or
             ``None`` when it was probed once.
+        remat: the chosen candidate's ``keras.RematScope`` mode (``None``:
+            no remat).
+        candidates: with ``remat=``, each mode's largest fitting B, fastest
+            first: dicts with ``remat``, ``micro_batch_size``,
+            ``gradient_accumulation_steps``, ``peak_bytes``,
+            ``seconds_per_micro_step`` (measured) and ``samples_per_second``
+            (``T / (N * seconds_per_micro_step)``); empty without.
 
     :attr:`balanced_micro_batch_size` is the same N's smallest micro-batch
     that reaches the target (it fits too); :attr:`headroom_bytes` the budget
@@ -250,6 +257,8 @@ class Plan:
     devices: int = 1
     repeats: int = 1
     spread_bytes: int | None = None
+    remat: str | None = None
+    candidates: list = dataclasses.field(default_factory=list)
 
     @property
     def balanced_micro_batch_size(self) -> int:
@@ -283,15 +292,18 @@ class Plan:
 
     def table(self) -> str:
         """The trials and the choice, as text."""
-        lines = [f"{'B':>6} {'peak MiB':>10} {'fits':>5} {'s/micro-step':>13}"]
+        mode = (lambda m: f"{str(m):>11} ") if self.candidates else (lambda m: "")
+        lines = [f"{mode('remat')}{'B':>6} {'peak MiB':>10} {'fits':>5} {'s/micro-step':>13}"]
         for t in self.trials:
             peak = "OOM" if t["peak_bytes"] is None else f"{t['peak_bytes'] / 2**20:.1f}"
             seconds = "-" if t["seconds_per_micro_step"] is None else f"{t['seconds_per_micro_step']:.4f}"
-            lines.append(f"{t['micro_batch_size']:>6} {peak:>10} {'yes' if t['fits'] else 'no':>5} {seconds:>13}")
+            lines.append(f"{mode(t.get('remat'))}{t['micro_batch_size']:>6} {peak:>10} "
+                         f"{'yes' if t['fits'] else 'no':>5} {seconds:>13}")
         extra = self.effective_batch_size - self.target_batch_size
         lines.append(
             f"budget {self.budget_bytes / 2**20:.1f} MiB ({self.margin:g} x {self.memory_limit / 2**20:.1f} MiB) "
-            f"on {self.device}: micro_batch_size={self.micro_batch_size}, "
+            f"on {self.device}: {f'remat={self.remat}, ' if self.candidates else ''}"
+            f"micro_batch_size={self.micro_batch_size}, "
             f"gradient_accumulation_steps={self.gradient_accumulation_steps}, replicas={self.replicas}, "
             f"effective_batch_size={self.effective_batch_size} (target {self.target_batch_size}"
             + (f", {extra} more)" if extra else ")")
@@ -312,6 +324,14 @@ class Plan:
         if self.data_parallel > 1 or self.devices > 1:
             lines.append(f"B is the global micro-batch over data_parallel={self.data_parallel} "
                          f"({self.devices} devices); peaks are per device")
+        if self.candidates:
+            lines.append(f"candidates, fastest first (samples/s = {self.target_batch_size} / (N x s/micro-step), "
+                         "each timed over three executed steps):")
+            lines.append(f"{'remat':>11} {'B':>6} {'N':>4} {'peak MiB':>10} {'s/micro-step':>13} {'samples/s':>10}")
+            for c in self.candidates:
+                lines.append(f"{str(c['remat']):>11} {c['micro_batch_size']:>6} {c['gradient_accumulation_steps']:>4} "
+                             f"{c['peak_bytes'] / 2**20:>10.1f} {c['seconds_per_micro_step']:>13.4f} "
+                             f"{c['samples_per_second']:>10.1f}")
         if self.balanced_micro_batch_size < self.micro_batch_size:
             lines.append(
                 f"closest to the target with N={self.gradient_accumulation_steps}: "
@@ -566,6 +586,40 @@ def probe(build: str, batch: str, micro_batch_size: int, budget_bytes: int | Non
         return prober.measure(micro_batch_size, budget_bytes, ahead=False)
 
 
+REMAT_MODES = ("full", "activations")
+"""The ``keras.RematScope`` modes ``remat=True`` plans: every layer's call
+rematerialised, or its activation only. (``"larger_than"`` and
+``"list_of_layers"`` need a threshold or names: not planned here.)"""
+
+
+def _check_remat(remat: Any, backend: str) -> tuple:
+    """``remat`` as a tuple of modes (empty for none), checked."""
+    if remat is None or remat is False:
+        return ()
+    modes = REMAT_MODES if remat is True else (remat,) if isinstance(remat, str) else remat
+    if not isinstance(modes, (tuple, list)) or not modes or any(m not in REMAT_MODES for m in modes):
+        raise ValueError(f"`remat` must be True, False, None, or one or more of {REMAT_MODES} (keras.RematScope "
+                         f"modes). Received: remat={remat!r}.")
+    if backend != "jax":
+        raise ValueError(f"`remat` is planned on JAX only (each mode's compiled train step is analysed by XLA and "
+                         f"timed in the planner's process); this is Keras on {backend}: run with KERAS_BACKEND=jax "
+                         f"or without remat. Received: remat={remat!r}.")
+    return tuple(dict.fromkeys(modes))
+
+
+def _remat_scoped(build: Callable[[], Any], mode: str) -> Callable[[], Any]:
+    """``build`` under ``keras.RematScope(mode=mode)`` (a layer takes its
+    remat mode when it is created)."""
+
+    def scoped() -> Any:
+        import keras
+
+        with keras.RematScope(mode=mode):
+            return build()
+
+    return scoped
+
+
 def plan_accumulation(
     build: str,
     batch: str,
@@ -579,6 +633,7 @@ def plan_accumulation(
     verbose: bool = True,
     log: Callable[[str], None] = print,
     repeats: int = 1,
+    remat: Any = None,
 ) -> Plan:
     """Find the largest micro-batch size that fits, and the N that reaches
     ``target_batch_size`` with it, by measurement.
@@ -614,6 +669,14 @@ def plan_accumulation(
             the largest minus the smallest, and it fits when peak plus
             spread is within the budget. On JAX every repeat gives the same
             figure.
+        remat: on JAX, also plan the model built under
+            ``keras.RematScope(mode=...)``: ``True`` for every mode in
+            :data:`REMAT_MODES`, or one mode or a list of them; ``None`` or
+            ``False`` (default) for none. Each mode (and no remat) gets its
+            own search; the largest B of each is timed over three executed
+            steps, and the candidates are ranked by samples per second at
+            the target, ``T / (N * seconds_per_micro_step)``, fastest first
+            (:attr:`Plan.candidates`); the plan is the fastest.
 
     Returns:
         The :class:`Plan`.
@@ -621,7 +684,8 @@ def plan_accumulation(
     Raises:
         ValueError: a bad argument (each message names it and the value
             received); ``build`` or ``batch`` cannot be imported;
-            ``replicas`` given under a ``keras.distribution``.
+            ``replicas`` given under a ``keras.distribution``; ``remat``
+            not a mode of :data:`REMAT_MODES`, or given off JAX.
         RuntimeError: the build or batch function raised in a probe (its
             traceback in the message); the model does not fit even at the
             smallest B (the message gives the bytes it needed and the budget).
@@ -638,6 +702,7 @@ def plan_accumulation(
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin <= 1:
         raise ValueError(f"`margin` must be a number in (0, 1]. Received: margin={margin!r}.")
     backend = check_backend()
+    remat_modes = _check_remat(remat, backend)
     build_function = load_function(build, "build")
     batch_function = load_function(batch, "batch")
     if memory_limit is None:
@@ -664,20 +729,16 @@ def plan_accumulation(
     trials: list[dict] = []
     seen: dict = {}
 
-    if backend == "tensorflow":
-        prober: Any = _Prober(build, batch)
-    elif backend == "jax":
-        from accum_optimizer.plan._jax import JaxProbe
+    def open_prober(mode: str | None) -> Any:
+        if backend == "tensorflow":
+            return _Prober(build, batch)
+        if backend == "jax":
+            from accum_optimizer.plan._jax import JaxProbe
 
-        prober = JaxProbe(build_function, batch_function)
-    else:
+            return JaxProbe(build_function if mode is None else _remat_scoped(build_function, mode), batch_function)
         from accum_optimizer.plan._torch import TorchProbe
 
-        prober = TorchProbe(build_function, batch_function, budget)
-    method = getattr(prober, "method", Plan.method)
-    data_parallel, devices = getattr(prober, "data_parallel", 1), getattr(prober, "devices", 1)
-    distribution = getattr(prober, "distribution", None)
-    seen.update(device=getattr(prober, "device", None), gpus=0)
+        return TorchProbe(build_function, batch_function, budget)
 
     def fits(size: int) -> bool:
         peaks, result, ok = [], None, True
@@ -702,46 +763,77 @@ def plan_accumulation(
             trial["memory"] = result["memory"]
         if backend != "tensorflow":
             trial["probe_seconds"] = time.perf_counter() - probe_began
+        if remat_modes:
+            trial["remat"] = mode
         trials.append(trial)
         if verbose:
             text = "out of memory" if peak is None else f"peak {peak / 2**20:.1f} MiB"
             if spread is not None:
                 text += f" (spread {spread / 2**20:.1f} MiB over {len(peaks)} probes)"
-            log(f"[plan] B={size}: {text}, {'fits' if ok else 'does not fit'} "
-                f"(budget {budget / 2**20:.1f} MiB)")
+            log(f"[plan] {f'remat={mode} ' if remat_modes else ''}B={size}: {text}, "
+                f"{'fits' if ok else 'does not fit'} (budget {budget / 2**20:.1f} MiB)")
         return ok
 
-    with prober:
-        if distribution is not None:
-            if replicas not in (None, 1):
-                raise ValueError(
-                    f"`replicas` is not used under a keras.distribution ({type(distribution).__name__}): B is "
-                    f"the global micro-batch, split over its data-parallel axis. Received: replicas={replicas!r}."
-                )
-            multiple_of = math.lcm(multiple_of, data_parallel)
-            maximum = largest(multiple_of)
-        chosen = search_micro_batch_size(fits, maximum, start, multiple_of, estimate=linear_estimate(trials, budget))
-    if chosen is None:
+    all_trials: list[dict] = []
+    candidates: list[dict] = []
+    method, data_parallel, devices = Plan.method, 1, 1
+    for mode in (None, *remat_modes):
+        trials = []  # this mode's (linear_estimate reads them)
+        prober = open_prober(mode)
+        method = getattr(prober, "method", Plan.method)
+        data_parallel, devices = getattr(prober, "data_parallel", 1), getattr(prober, "devices", 1)
+        distribution = getattr(prober, "distribution", None)
+        seen.update(device=getattr(prober, "device", None) or seen.get("device"), gpus=0)
+        seconds = None
+        with prober:
+            if distribution is not None:
+                if replicas not in (None, 1):
+                    raise ValueError(
+                        f"`replicas` is not used under a keras.distribution ({type(distribution).__name__}): B is "
+                        f"the global micro-batch, split over its data-parallel axis. Received: "
+                        f"replicas={replicas!r}."
+                    )
+                multiple_of = math.lcm(multiple_of, data_parallel)
+                maximum = largest(multiple_of)
+            chosen = search_micro_batch_size(fits, maximum, start, multiple_of,
+                                             estimate=linear_estimate(trials, budget))
+            if remat_modes and chosen is not None:
+                seconds = prober.time_step(chosen)
+        all_trials.extend(trials)
+        if chosen is not None:
+            peak = next(t["peak_bytes"] for t in trials if t["micro_batch_size"] == chosen)
+            steps = -(-target_batch_size // (chosen * (replicas or 1)))
+            candidates.append({"remat": mode, "micro_batch_size": chosen, "gradient_accumulation_steps": steps,
+                               "peak_bytes": peak, "seconds_per_micro_step": seconds,
+                               "samples_per_second": None if seconds is None else
+                               target_batch_size / (steps * seconds)})
+    trials = all_trials
+    if not candidates:
         first = trials[0]
         needed = "an out-of-memory error" if first["peak_bytes"] is None else f"{first['peak_bytes']} bytes"
         raise RuntimeError(
             f"The model does not fit even at micro_batch_size={first['micro_batch_size']}: it needed "
             f"{needed} against a budget of {budget} bytes (margin={margin} x memory_limit={memory_limit}). "
             "Raise memory_limit or margin, or make the model smaller (mixed precision, fewer parameters)."
+            + (" No remat mode fitted either." if remat_modes else "")
         )
+    if remat_modes:
+        candidates.sort(key=lambda c: -c["samples_per_second"])
+    best = candidates[0]
+    chosen, remat_chosen = best["micro_batch_size"], best["remat"]
     if backend == "tensorflow":
         replicas = replicas or max(1, int(seen.get("gpus") or 0))
     else:
         replicas = replicas or 1
     steps = -(-target_batch_size // (chosen * replicas))
-    chosen_trial = next(t for t in trials if t["micro_batch_size"] == chosen)
+    chosen_trial = next(t for t in trials if t["micro_batch_size"] == chosen and t.get("remat") == remat_chosen)
     plan = Plan(
         micro_batch_size=chosen, gradient_accumulation_steps=steps, effective_batch_size=steps * chosen * replicas,
         peak_bytes=chosen_trial["peak_bytes"], target_batch_size=target_batch_size, memory_limit=memory_limit,
         margin=float(margin), replicas=replicas, multiple_of=multiple_of, max_micro_batch_size=maximum,
         device=seen.get("device") or "CPU:0", trials=trials, seconds=time.perf_counter() - began,
         backend=backend, method=method, data_parallel=data_parallel, devices=devices, repeats=repeats,
-        spread_bytes=chosen_trial.get("spread_bytes"),
+        spread_bytes=chosen_trial.get("spread_bytes"), remat=remat_chosen, candidates=candidates if remat_modes else [],
     )
     if verbose:
         log(plan.table())

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="probe each B this many times; it fits when its largest peak plus the spread does "
                              "(default 1)")
+    parser.add_argument("--remat", nargs="?", const="all", default=None, metavar="MODE[,MODE]",
+                        help="JAX: also plan under keras.RematScope (every mode of REMAT_MODES, or the modes "
+                             "given) and rank the candidates by samples per second at the target")
     parser.add_argument("--json", default=None, help="write the plan here")
     parser.add_argument("--plot", default=None, help="plot peak memory against B here (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -44,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             args.build, args.batch, target_batch_size=args.target_batch_size, memory_limit=args.memory_limit,
             margin=args.margin, max_micro_batch_size=args.max_micro_batch_size, multiple_of=args.multiple_of,
             replicas=args.replicas, start=args.start, repeats=args.repeats,
+            remat=None if args.remat is None else True if args.remat == "all" else args.remat.split(","),
         )
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

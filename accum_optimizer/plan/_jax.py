@@ -146,6 +146,39 @@ class JaxProbe(InProcessProbe):
             out_shardings = (None, tuple([v.value.sharding for v in group] for group in groups))
         self._step = jax.jit(model.train_step, donate_argnums=0, out_shardings=out_shardings)
 
+    def time_step(self, micro_batch_size: int, steps: int = 3) -> float:
+        """Seconds per executed train step at B = ``micro_batch_size`` (the
+        median of ``steps``, after one untimed execution), with the user's
+        batch on the device(s). Runs the step (it allocates what the
+        analysis counted), so call it for a B that fits, once the search is
+        done: it donates the probe's state to the step.
+        """
+        import statistics
+
+        jax = self._jax
+        data = self.batch(micro_batch_size)
+        if self._step is None:
+            self._prepare(data)
+
+        def put(a: Any) -> Any:
+            if a is None:
+                return None
+            if self.distribution is None:
+                return jax.device_put(a)
+            return jax.device_put(a, self.distribution.get_data_layout(tuple(a.shape)).backend_layout)
+
+        arrays = tuple(put(a) for a in data)
+        compiled = self._step.lower(self.state, self._abstract(data)).compile()
+        state, times = self.state, []
+        for i in range(steps + 1):
+            began = time.perf_counter()
+            _, state = compiled(state, arrays)
+            jax.block_until_ready(state)
+            if i:
+                times.append(time.perf_counter() - began)
+        self.state = state
+        return statistics.median(times)
+
     def _abstract(self, data: Any) -> Any:
         """``data``'s arrays as ``jax.ShapeDtypeStruct`` s (dtype as JAX
         would take it; sharded by the distribution's data layout)."""

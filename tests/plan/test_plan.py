@@ -223,7 +223,7 @@ def test_command_line_gives_the_plan_of_the_function(tmp_path, monkeypatch, peak
     assert cli.main(argv) == 0
     assert calls == [((BUILD, BATCH), dict(target_batch_size=40, memory_limit="1GiB", margin=0.8,
                                           max_micro_batch_size=16, multiple_of=16, replicas=1, start=16,
-                                          repeats=1))]
+                                          repeats=1, remat=None))]
     got = Plan.from_json(tmp_path / "plan.json")
     assert (got.micro_batch_size, got.gradient_accumulation_steps, got.effective_batch_size) == (16, 3, 48)
     assert [t["micro_batch_size"] for t in got.trials] == [16]
@@ -251,6 +251,7 @@ def test_repeats_measure_a_sizes_spread_over_fresh_processes_and_fit_with_it():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(repeats=0), r"`repeats` must be a positive integer.*repeats=0"),
+    (dict(remat=True), r"`remat` is planned on JAX only.*KERAS_BACKEND=jax.*remat=True"),
     (dict(target_batch_size=0), r"`target_batch_size` must be a positive integer.*target_batch_size=0"),
     (dict(memory_limit="-1GiB"), r"`memory_limit` must be a positive.*'-1GiB'"),
     (dict(memory_limit="10 parsecs"), r"`memory_limit`.*'10 parsecs'"),

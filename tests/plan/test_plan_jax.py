@@ -177,20 +177,72 @@ def test_sharded_plan_is_per_device_with_b_the_global_micro_batch(kind, multiple
 
 
 def test_command_line_on_jax(tmp_path):
-    """``python -m accum_optimizer.plan`` under ``KERAS_BACKEND=jax``: exit
-    0, the table with XLA's method, and the JSON's figure equal to an
-    independent compile's at B = 256 (the only size asked for)."""
+    """``python -m accum_optimizer.plan`` under ``KERAS_BACKEND=jax`` with
+    ``--remat full``: exit 0, the table with XLA's method and the
+    candidates, and the JSON's figure without remat equal to an independent
+    compile's at B = 256 (the only size asked for)."""
     out = subprocess.run(
         [sys.executable, "-m", "accum_optimizer.plan", BUILD, BATCH, "--target-batch-size", "1000",
-         "--memory-limit", "20MiB", "--max-micro-batch-size", "256", "--start", "256",
+         "--memory-limit", "20MiB", "--max-micro-batch-size", "256", "--start", "256", "--remat", "full",
          "--json", str(tmp_path / "plan.json")],
         capture_output=True, text=True, env=_env(), cwd=TESTS, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "peaks: XLA memory_analysis of the compiled train step (no step run)" in out.stdout
+    assert "candidates, fastest first" in out.stdout
     plan = Plan.from_json(tmp_path / "plan.json")
     reference = plan_jax.independent(plan_models.build_mlp, plan_models.batch_mlp, [256])[256]
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.backend) == (256, 4, "jax")
+    assert [t["remat"] for t in plan.trials] == [None, "full"]
     assert plan.trials[0]["memory"] == _without_device0(reference)
+    assert sorted(str(c["remat"]) for c in plan.candidates) == ["None", "full"]
+
+
+def _remat_scoped(build, mode):
+    def scoped():
+        with keras.RematScope(mode=mode):
+            return build()
+    return scoped if mode is not None else build
+
+
+def test_remat_candidates_are_each_modes_largest_b_ranked_by_measured_speed():
+    """The blocks model (``support.plan_models.build_blocks``) under a
+    48 MiB limit, ``remat=True``: for no remat and each of
+    ``keras.RematScope``'s "full" and "activations" modes, every trial's
+    figures equal an independent compile of the model built under that
+    scope, the mode's candidate is its largest trial that fits (the next
+    multiple tried does not), and remat changes the answer (a larger B fits
+    under "full" than without). The candidates are ranked by their measured
+    samples per second, ``T / (N * s/micro-step)``, and the plan is the
+    first."""
+    build, batch = "support.plan_models:build_blocks", "support.plan_models:batch_blocks"
+    lines = []
+    plan = plan_accumulation(build, batch, target_batch_size=1024, memory_limit="48MiB", multiple_of=8, remat=True,
+                             log=lines.append)
+    budget = plan.budget_bytes
+    by_mode = {c["remat"]: c for c in plan.candidates}
+    assert set(by_mode) == {None, "full", "activations"} and len(plan.candidates) == 3
+    for mode, candidate in by_mode.items():
+        trials = [t for t in plan.trials if t["remat"] == mode]
+        sizes = [t["micro_batch_size"] for t in trials]
+        reference = plan_jax.independent(_remat_scoped(plan_models.build_blocks, mode), plan_models.batch_blocks,
+                                         sizes)
+        for t in trials:
+            assert t["memory"] == _without_device0(reference[t["micro_batch_size"]]), (mode, t)
+            assert t["fits"] == (t["peak_bytes"] <= budget), (mode, t)
+        b = candidate["micro_batch_size"]
+        assert b == max(t["micro_batch_size"] for t in trials if t["fits"]) and reference[b + 8]["peak"] > budget
+        assert candidate["peak_bytes"] == reference[b]["peak"]
+        assert candidate["gradient_accumulation_steps"] == math.ceil(1024 / b)
+        assert candidate["seconds_per_micro_step"] > 0
+        assert candidate["samples_per_second"] == pytest.approx(
+            1024 / (candidate["gradient_accumulation_steps"] * candidate["seconds_per_micro_step"]))
+    assert by_mode["full"]["micro_batch_size"] > by_mode[None]["micro_batch_size"]
+    speeds = [c["samples_per_second"] for c in plan.candidates]
+    assert speeds == sorted(speeds, reverse=True)
+    best = plan.candidates[0]
+    assert (plan.remat, plan.micro_batch_size, plan.gradient_accumulation_steps) == (
+        best["remat"], best["micro_batch_size"], best["gradient_accumulation_steps"])
+    assert "candidates, fastest first" in lines[-1] and f"remat={plan.remat}, micro_batch_size=" in lines[-1]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -198,6 +250,9 @@ def test_command_line_on_jax(tmp_path):
     (dict(repeats=True), r"`repeats` must be a positive integer.*repeats=True"),
     (dict(target_batch_size=0), r"`target_batch_size` must be a positive integer.*target_batch_size=0"),
     (dict(memory_limit=None), r"`memory_limit` is required where there is no GPU"),
+    (dict(remat="larger_than"), r"`remat` must be True, False, None, or one or more of \('full', 'activations'\).*"
+                                r"remat='larger_than'"),
+    (dict(remat=[]), r"`remat` must be.*remat=\[\]"),
 ])
 def test_bad_arguments_on_jax_are_named_before_any_probe(kwargs, match):
     args = dict(build=BUILD, batch=BATCH, target_batch_size=64, memory_limit="1GiB")
@@ -218,3 +273,16 @@ def test_the_jax_example_in_the_docs_is_the_saved_plan():
     assert block.strip() == f"```text\n{plan.table()}\n```"
     assert ("KERAS_BACKEND=jax python -m accum_optimizer.plan examples.plan_model:build examples.plan_model:batch "
             "\\\n    --target-batch-size 1024 --memory-limit 512MiB --multiple-of 8 --json docs/plan/plan_jax.json") in text
+
+
+def test_the_remat_example_in_the_docs_is_the_saved_plan():
+    """docs/plan.md's remat plan is the table of ``docs/plan/plan_remat.json``,
+    which the command it names wrote."""
+    root = TESTS.parent
+    plan = Plan.from_json(root / "docs" / "plan" / "plan_remat.json")
+    assert plan.backend == "jax" and {c["remat"] for c in plan.candidates} == {None, "full", "activations"}
+    text = (root / "docs" / "plan.md").read_text()
+    block = text.split("<!-- plan-remat-example:begin -->")[1].split("<!-- plan-remat-example:end -->")[0]
+    assert block.strip() == f"```text\n{plan.table()}\n```"
+    assert "support.plan_models:build_blocks support.plan_models:batch_blocks \\\n    --target-batch-size 1024 " \
+           "--memory-limit 48MiB --multiple-of 8 --remat --json docs/plan/plan_remat.json" in text

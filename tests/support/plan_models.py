@@ -117,3 +117,38 @@ def build_mlp_model_parallel():
 def build_mlp_data_parallel():
     set_mlp_distribution("data_parallel")
     return build_mlp()
+
+
+# A small sequence model of residual MLP blocks (layer norm, a 4x wider gelu
+# layer, back to the width) where remat changes the plan: each block is one
+# layer of several operations, so keras.RematScope(mode="full") keeps only
+# its input for the backward pass instead of its internals.
+BLOCKS_LEN, BLOCKS_WIDTH, BLOCKS_DEPTH, BLOCKS_OUT = 32, 64, 3, 8
+
+
+def build_blocks():
+    import keras
+
+    class Block(keras.layers.Layer):
+        def __init__(self, width, **kwargs):
+            super().__init__(**kwargs)
+            self.norm = keras.layers.LayerNormalization()
+            self.wide = keras.layers.Dense(4 * width, activation="gelu")
+            self.back = keras.layers.Dense(width)
+
+        def call(self, x):
+            return x + self.back(self.wide(self.norm(x)))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((BLOCKS_LEN, BLOCKS_WIDTH))]
+                             + [Block(BLOCKS_WIDTH) for _ in range(BLOCKS_DEPTH)]
+                             + [keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(BLOCKS_OUT)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+def batch_blocks(micro_batch_size):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(micro_batch_size, BLOCKS_LEN, BLOCKS_WIDTH)).astype(np.float32)
+    y = rng.normal(size=(micro_batch_size, BLOCKS_OUT)).astype(np.float32)
+    return x, y
