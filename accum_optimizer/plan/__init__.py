@@ -26,6 +26,9 @@ accumulators and an update both count. How depends on the backend:
 * torch: on a CUDA device, in this process, torch's allocator peak over
   three steps (:mod:`accum_optimizer.plan._torch`); refused on the CPU.
 
+On JAX, ``remat=`` also searches the model built under each
+``keras.RematScope`` mode and ranks the candidates by measured speed.
+
 The search is the same on every backend: it doubles B from its start until
 a probe does not fit (or B reaches its maximum), then bisects between the
 last fit and the first failure, on multiples of ``multiple_of``, or, once
