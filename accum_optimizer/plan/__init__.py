@@ -26,8 +26,10 @@ accumulators and an update both count. How depends on the backend:
 * torch: on a CUDA device, in this process, torch's allocator peak over
   three steps (:mod:`accum_optimizer.plan._torch`); refused on the CPU.
 
-On JAX, ``remat=`` also searches the model built under each
-``keras.RematScope`` mode and ranks the candidates by measured speed.
+On JAX and TensorFlow, ``remat=`` also searches the model built under each
+``keras.RematScope`` mode and ranks the candidates by measured speed (a
+mode Keras cannot apply to the model is listed with its error: on
+TensorFlow, Keras 3.15's ``"full"`` raises in a graph).
 
 The search is the same on every backend: it doubles B from its start until
 a probe does not fit (or B reaches its maximum), then bisects between the
@@ -234,7 +236,8 @@ class Plan:
             first: dicts with ``remat``, ``micro_batch_size``,
             ``gradient_accumulation_steps``, ``peak_bytes``,
             ``seconds_per_micro_step`` (measured) and ``samples_per_second``
-            (``T / (N * seconds_per_micro_step)``); empty without.
+            (``T / (N * seconds_per_micro_step)``), then any mode whose
+            probe raised as ``{"remat", "error"}``; empty without.
 
     :attr:`balanced_micro_batch_size` is the same N's smallest micro-batch
     that reaches the target (it fits too); :attr:`headroom_bytes` the budget
@@ -328,10 +331,15 @@ class Plan:
             lines.append(f"B is the global micro-batch over data_parallel={self.data_parallel} "
                          f"({self.devices} devices); peaks are per device")
         if self.candidates:
+            timed = ("its probe's two steps after the trace" if self.backend == "tensorflow"
+                     else "three executed steps")
             lines.append(f"candidates, fastest first (samples/s = {self.target_batch_size} / (N x s/micro-step), "
-                         "each timed over three executed steps):")
+                         f"each timed over {timed}):")
             lines.append(f"{'remat':>11} {'B':>6} {'N':>4} {'peak MiB':>10} {'s/micro-step':>13} {'samples/s':>10}")
             for c in self.candidates:
+                if "error" in c:
+                    lines.append(f"{str(c['remat']):>11}  not planned, its probe raised: {c['error']}")
+                    continue
                 lines.append(f"{str(c['remat']):>11} {c['micro_batch_size']:>6} {c['gradient_accumulation_steps']:>4} "
                              f"{c['peak_bytes'] / 2**20:>10.1f} {c['seconds_per_micro_step']:>13.4f} "
                              f"{c['samples_per_second']:>10.1f}")
@@ -453,18 +461,40 @@ def check_backend() -> str:
 
 
 class _Prober:
-    """Fresh probe processes (:mod:`accum_optimizer.plan._probe` ``--wait``),
-    each started ahead: while one probe trains, the next process already
-    imports TensorFlow and the user's ``build`` and ``batch``, then waits
-    for its size. Every probe still runs in a process of its own, so it
-    measures what a fresh training process holds (TensorFlow keeps buffers
-    of a cleared model alive, and a process's first model pays one-time
-    allocations: a reused process measures neither faithfully). Use as a
-    context manager; :meth:`close` stops the spare process."""
+    """The probe processes of one search. Every probe runs in a process of
+    its own, so it measures what a fresh training process holds (TensorFlow
+    keeps buffers of a cleared model alive, and a process's first model
+    pays one-time allocations: a reused process measures neither
+    faithfully). Two ways to get there without importing TensorFlow per
+    probe:
 
-    def __init__(self, build: str, batch: str, timeout: float = 1800):
-        self.build, self.batch, self.timeout = build, batch, timeout
-        self.spare: tuple | None = None  # (process, its stderr file)
+    * ``fork`` (Linux): one server process (:mod:`accum_optimizer.plan._probe`
+      ``--fork``) imports TensorFlow, this package and the user's ``build``
+      and ``batch`` once, and forks a child per probe: a fresh TensorFlow
+      runtime each, since none was started before the fork. If the user's
+      modules start TensorFlow's runtime at import, forking is unsafe: the
+      server says so and the spawn route is taken.
+    * ``spawn`` (elsewhere): a process per probe (``--wait``), started
+      ahead: while one probe trains, the next ones (``AHEAD``) already
+      import, then wait for their size; while a probe times its two steps
+      they are paused (``SIGSTOP``/``SIGCONT``; without such signals the
+      probe waits for their imports), so no import shares the CPU with the
+      timed steps.
+
+    Use as a context manager; :meth:`close` stops the processes."""
+
+    AHEAD = 2  # an import (about 3 s here) is several small probes long: two import at once on 2 cores
+
+    def __init__(self, build: str, batch: str, timeout: float = 1800, remat: str | None = None,
+                 fork: bool | None = None):
+        import collections
+
+        self.build, self.batch, self.timeout, self.remat = build, batch, timeout, remat
+        # None: fork where it can (Linux); the server's answer may still turn it off.
+        self.fork = sys.platform.startswith("linux") and hasattr(os, "fork") if fork is None else fork
+        self.server: tuple | None = None  # the fork server: (process, its stderr file)
+        self.seconds: dict = {}  # micro_batch_size -> the last probe's seconds per micro-step
+        self.spares: collections.deque = collections.deque()  # (process, its stderr file), oldest first
         self.processes_started = 0
         self.ready: set = set()  # pids of the started processes known to have imported
 
@@ -475,19 +505,26 @@ class _Prober:
         self.close()
 
     def close(self) -> None:
-        if self.spare is not None:
-            self._stop(*self.spare)
-            self.spare = None
+        while self.spares:
+            self._stop(*self.spares.popleft())
+        if self.server is not None:
+            self._stop(*self.server)
+            self.server = None
 
     @staticmethod
     def _stop(process: subprocess.Popen, stderr: Any) -> None:
+        import signal
+
         if process.poll() is None:
-            process.kill()
+            try:  # its process group: a fork server's child too
+                os.killpg(process.pid, signal.SIGKILL)
+            except (AttributeError, OSError):
+                process.kill()
         process.wait()
         for stream in (process.stdin, process.stdout, stderr):
             stream.close()
 
-    def _start(self) -> tuple:
+    def _start(self, mode: str = "--wait") -> tuple:
         import tempfile
 
         # The probe imports what this process can (its sys.path: where
@@ -497,8 +534,9 @@ class _Prober:
                "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
         stderr = tempfile.TemporaryFile(mode="w+")
         process = subprocess.Popen(
-            [sys.executable, "-m", "accum_optimizer.plan._probe", "--wait", self.build, self.batch],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+            [sys.executable, "-m", "accum_optimizer.plan._probe", mode, self.build, self.batch],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+            start_new_session=True)  # its own process group, killed whole
         self.processes_started += 1
         return process, stderr
 
@@ -521,32 +559,120 @@ class _Prober:
             timer.cancel()
         self.ready.add(process.pid)
 
-    def measure(self, micro_batch_size: int, budget_bytes: int | None = None, ahead: bool = True) -> dict:
-        """One probe in a fresh process (see :func:`probe`); with ``ahead``,
-        the next probe's process is started before this one reports."""
+    def _quiet(self) -> list:
+        """Pause the spare processes for a probe's timed steps; the paused
+        ones (to resume with ``SIGCONT``)."""
+        import signal
+
+        if not hasattr(signal, "SIGSTOP"):
+            for process, _ in self.spares:
+                self._ready(process)
+            return []
+        paused = [process for process, _ in self.spares if process.poll() is None]
+        for process in paused:
+            os.kill(process.pid, signal.SIGSTOP)
+        return paused
+
+    @staticmethod
+    def _resume(paused: list) -> None:
+        import signal
+
+        for process in paused:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+
+    def _fork_server(self) -> tuple | None:
+        """The running fork server (started on first use), or ``None`` once
+        it said that it cannot fork (then ``self.fork`` is false)."""
+        from accum_optimizer.plan import _probe
+
+        if self.server is not None and self.server[0].poll() is None:
+            return self.server
+        if self.server is not None:
+            self._stop(*self.server)
+        self.server = self._start("--fork")
+        line = self.server[0].stdout.readline()
+        if not line.startswith(_probe.READY) or not json.loads(line[len(_probe.READY):] or "{}").get("forkable"):
+            self._stop(*self.server)
+            self.server, self.fork = None, False
+        return self.server
+
+    def _talk(self, process: subprocess.Popen, micro_batch_size: int, budget_bytes: int | None,
+              kill: Callable[[], None], quiet: Callable[[], list]) -> list:
+        """Send a probe process its spec, let it time its steps once
+        ``quiet()`` paused what else runs (resumed after), and return its
+        output lines up to its result (or its end: ``kill()`` at the
+        timeout)."""
         import threading
 
         from accum_optimizer.plan import _probe
 
-        process, stderr = self.spare if self.spare is not None else self._start()
-        self.spare = self._start() if ahead else None
-        timer = threading.Timer(self.timeout, process.kill)
+        timer = threading.Timer(self.timeout, kill)
         timer.start()
-        output = []
+        output, paused = [], []
         try:
-            process.stdin.write(json.dumps({"micro_batch_size": micro_batch_size, "budget_bytes": budget_bytes}) + "\n")
+            process.stdin.write(json.dumps({"micro_batch_size": micro_batch_size, "budget_bytes": budget_bytes,
+                                           "remat": self.remat}) + "\n")
             process.stdin.flush()
             for line in process.stdout:
                 output.append(line)
-                if line.startswith(_probe.TRACED):  # time the steps once the next process is idle
-                    if self.spare is not None:
-                        self._ready(self.spare[0])
+                if line.startswith(_probe.TRACED):
+                    paused = quiet()
                     process.stdin.write("\n")
                     process.stdin.flush()
+                elif line.startswith((_probe.PREFIX, _probe.EXIT)):
+                    break
         except (BrokenPipeError, ValueError):  # the process died (killed at the timeout)
             pass
         finally:
             timer.cancel()
+            self._resume(paused)
+        return output
+
+    def _measure_forked(self, micro_batch_size: int, budget_bytes: int | None) -> dict:
+        """One probe in a child of the fork server."""
+        from accum_optimizer.plan import _probe
+
+        process, stderr = self.server
+        output = self._talk(process, micro_batch_size, budget_bytes, lambda: self._stop(process, stderr), list)
+        last = output[-1] if output else ""
+        result = last if last.startswith((_probe.PREFIX, _probe.EXIT)) else None
+        if result is None or result.startswith(_probe.EXIT):
+            code = json.loads(result[len(_probe.EXIT):])["returncode"] if result else None
+            errors = ""
+            if not stderr.closed:
+                stderr.seek(0)
+                errors = stderr.read()
+            if result is None:  # the server itself died: the next probe starts a new one
+                self._stop(process, stderr)
+                self.server = None
+            if code is None or code < 0:  # killed (the kernel's out-of-memory killer, or the timeout)
+                return {"micro_batch_size": micro_batch_size, "peak_bytes": None, "seconds_per_micro_step": None,
+                        "oom": True, "device": None, "gpus": 0}
+            raise RuntimeError(
+                f"The probe at micro_batch_size={micro_batch_size} exited with status {code} and no result. "
+                f"Its output:\n{''.join(output)[-4000:]}\n{errors[-4000:]}"
+            )
+        return self._result(micro_batch_size, json.loads(result[len(_probe.PREFIX):]))
+
+    def time_step(self, micro_batch_size: int) -> float | None:
+        """The seconds per micro-step the last probe of that size measured
+        (its two steps after the trace, timed with the spare processes paused)."""
+        return self.seconds.get(micro_batch_size)
+
+    def measure(self, micro_batch_size: int, budget_bytes: int | None = None, ahead: bool = True) -> dict:
+        """One probe in a fresh process (see :func:`probe`), the model built
+        under ``keras.RematScope(mode=self.remat)`` if that is set; with
+        ``ahead``, the next probe's process is started before this one
+        reports."""
+        from accum_optimizer.plan import _probe
+
+        if self.fork and self._fork_server() is not None:
+            return self._measure_forked(micro_batch_size, budget_bytes)
+        process, stderr = self.spares.popleft() if self.spares else self._start()
+        while ahead and len(self.spares) < self.AHEAD:
+            self.spares.append(self._start())
+        output = self._talk(process, micro_batch_size, budget_bytes, process.kill, self._quiet)
         process.wait()
         out = "".join(output)
         stderr.seek(0)
@@ -561,19 +687,25 @@ class _Prober:
                 f"The probe at micro_batch_size={micro_batch_size} exited with status {process.returncode} and no "
                 f"result. Its output:\n{out[-4000:]}\n{errors[-4000:]}"
             )
-        result = json.loads(lines[-1][len(_probe.PREFIX):])
+        return self._result(micro_batch_size, json.loads(lines[-1][len(_probe.PREFIX):]))
+
+    def _result(self, micro_batch_size: int, result: dict) -> dict:
         if "error" in result:
             raise RuntimeError(
                 f"Building the model ({self.build}) or its batch ({self.batch}) at micro_batch_size="
-                f"{micro_batch_size} raised, in the probe process:\n{result['error']}"
+                f"{micro_batch_size}{'' if self.remat is None else f' under keras.RematScope(mode={self.remat!r})'}"
+                f" raised, in the probe process:\n{result['error']}"
             )
+        if result.get("seconds_per_micro_step") is not None:
+            self.seconds[micro_batch_size] = result["seconds_per_micro_step"]
         return result
 
 
 def probe(build: str, batch: str, micro_batch_size: int, budget_bytes: int | None = None,
-          timeout: float = 1800) -> dict:
+          timeout: float = 1800, remat: str | None = None) -> dict:
     """Measure one micro-batch size in a fresh process
-    (:mod:`accum_optimizer.plan._probe`).
+    (:mod:`accum_optimizer.plan._probe`), the model built under
+    ``keras.RematScope(mode=remat)`` when ``remat`` is given.
 
     Returns:
         ``{"micro_batch_size", "peak_bytes", "seconds_per_micro_step",
@@ -585,8 +717,20 @@ def probe(build: str, batch: str, micro_batch_size: int, budget_bytes: int | Non
             out-of-memory error) raised in the probe; the message holds its
             traceback.
     """
-    with _Prober(build, batch, timeout) as prober:
+    with _Prober(build, batch, timeout, remat=remat, fork=False) as prober:  # one process, nothing to fork
         return prober.measure(micro_batch_size, budget_bytes, ahead=False)
+
+
+def _error_summary(text: str) -> str:
+    """The exception line of a probe's traceback (``Type: message``), with
+    the next line of a Keras layer's wrapped error, for one row of a table."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    found = [i for i, line in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception|Exit)\b:", line)]
+    if not found:
+        return lines[-1][:300] if lines else ""
+    i = found[-1]
+    more = next((line for line in lines[i + 1:] if line and not line.startswith(("Arguments received", "•"))), "")
+    return (lines[i] + (" " + more if more else ""))[:300]
 
 
 REMAT_MODES = ("full", "activations")
@@ -603,10 +747,10 @@ def _check_remat(remat: Any, backend: str) -> tuple:
     if not isinstance(modes, (tuple, list)) or not modes or any(m not in REMAT_MODES for m in modes):
         raise ValueError(f"`remat` must be True, False, None, or one or more of {REMAT_MODES} (keras.RematScope "
                          f"modes). Received: remat={remat!r}.")
-    if backend != "jax":
-        raise ValueError(f"`remat` is planned on JAX only (each mode's compiled train step is analysed by XLA and "
-                         f"timed in the planner's process); this is Keras on {backend}: run with KERAS_BACKEND=jax "
-                         f"or without remat. Received: remat={remat!r}.")
+    if backend not in ("jax", "tensorflow"):
+        raise ValueError(f"`remat` is planned on JAX and TensorFlow; this is Keras on {backend} (its planner "
+                         f"measures a CUDA device only, untested with remat): run with KERAS_BACKEND=jax or "
+                         f"tensorflow, or without remat. Received: remat={remat!r}.")
     return tuple(dict.fromkeys(modes))
 
 
@@ -672,14 +816,17 @@ def plan_accumulation(
             the largest minus the smallest, and it fits when peak plus
             spread is within the budget. On JAX every repeat gives the same
             figure.
-        remat: on JAX, also plan the model built under
-            ``keras.RematScope(mode=...)``: ``True`` for every mode in
+        remat: on JAX and TensorFlow (Keras 3), also plan the model built
+            under ``keras.RematScope(mode=...)``: ``True`` for every mode in
             :data:`REMAT_MODES`, or one mode or a list of them; ``None`` or
             ``False`` (default) for none. Each mode (and no remat) gets its
             own search; the largest B of each is timed over three executed
-            steps, and the candidates are ranked by samples per second at
-            the target, ``T / (N * seconds_per_micro_step)``, fastest first
-            (:attr:`Plan.candidates`); the plan is the fastest.
+            steps (on TensorFlow, its probe's two steps after the trace),
+            and the candidates are ranked by samples per second at the
+            target, ``T / (N * seconds_per_micro_step)``, fastest first
+            (:attr:`Plan.candidates`); the plan is the fastest. A mode whose
+            probe raises (Keras cannot apply it to the model) is listed
+            last, as ``{"remat": mode, "error": "Type: message"}``.
 
     Returns:
         The :class:`Plan`.
@@ -734,7 +881,7 @@ def plan_accumulation(
 
     def open_prober(mode: str | None) -> Any:
         if backend == "tensorflow":
-            return _Prober(build, batch)
+            return _Prober(build, batch, remat=mode)
         if backend == "jax":
             from accum_optimizer.plan._jax import JaxProbe
 
@@ -798,8 +945,15 @@ def plan_accumulation(
                     )
                 multiple_of = math.lcm(multiple_of, data_parallel)
                 maximum = largest(multiple_of)
-            chosen = search_micro_batch_size(fits, maximum, start, multiple_of,
-                                             estimate=linear_estimate(trials, budget))
+            try:
+                chosen = search_micro_batch_size(fits, maximum, start, multiple_of,
+                                                 estimate=linear_estimate(trials, budget))
+            except RuntimeError as e:  # a mode Keras cannot apply to this model (its probe raised)
+                if mode is None:
+                    raise
+                all_trials.extend(trials)
+                candidates.append({"remat": mode, "error": _error_summary(str(e))})
+                continue
             if remat_modes and chosen is not None:
                 seconds = prober.time_step(chosen)
         all_trials.extend(trials)
@@ -811,7 +965,7 @@ def plan_accumulation(
                                "samples_per_second": None if seconds is None else
                                target_batch_size / (steps * seconds)})
     trials = all_trials
-    if not candidates:
+    if not any("error" not in c for c in candidates):
         first = trials[0]
         needed = "an out-of-memory error" if first["peak_bytes"] is None else f"{first['peak_bytes']} bytes"
         raise RuntimeError(
@@ -821,7 +975,7 @@ def plan_accumulation(
             + (" No remat mode fitted either." if remat_modes else "")
         )
     if remat_modes:
-        candidates.sort(key=lambda c: -c["samples_per_second"])
+        candidates.sort(key=lambda c: -c.get("samples_per_second", -1.0))  # a mode that raised, last
     best = candidates[0]
     chosen, remat_chosen = best["micro_batch_size"], best["remat"]
     if backend == "tensorflow":

@@ -2,7 +2,7 @@
 accum_optimizer.plan._probe '<json>'`` prints one line, ``PROBE_RESULT
 <json>``. ``python -m accum_optimizer.plan._probe --wait BUILD BATCH``
 first imports TensorFlow, this package and the user's two functions, then
-reads its spec (``{"micro_batch_size", "budget_bytes"}``) as one JSON line
+reads its spec (``{"micro_batch_size", "budget_bytes", "remat"}``) as one JSON line
 from standard input: the planner starts it while the previous probe still
 trains, so that the imports are not on the search's critical path. It
 prints ``PROBE_READY`` once imported, and ``PROBE_TRACED`` after its first
@@ -10,7 +10,8 @@ step, then waits for a line before the two timed steps: the planner sends
 it once the next probe's process is ready (idle), so that no import shares
 the CPU with the steps that are timed.
 
-It builds the user's model, wraps its optimizer in
+It builds the user's model (under ``keras.RematScope(mode=spec["remat"])``
+when that is given), wraps its optimizer in
 ``AccumulatingOptimizer(inner, 2)`` (recompiled with the model's loss), and
 trains three steps on one batch of size B: an accumulate-only micro-step
 (which traces the step), the micro-step that updates, and one more
@@ -38,7 +39,8 @@ import traceback
 from typing import Any
 
 PREFIX = "PROBE_RESULT "
-READY, TRACED = "PROBE_READY", "PROBE_TRACED"  # --wait: imports done; first step done, waiting to time
+READY, TRACED = "PROBE_READY", "PROBE_TRACED"  # imports done; first step done, waiting to time
+EXIT = "PROBE_EXIT"  # --fork: a child died without a result
 
 
 def _configure(budget_bytes: int | None) -> bool:
@@ -63,6 +65,27 @@ def _accumulating(optimizer: Any, wrapper: Any) -> Any:
     return wrapper(optimizer, 2)
 
 
+def remat_scope(mode: str | None) -> Any:
+    """``keras.RematScope(mode=mode)`` around the model's build (Keras reads
+    the scope when a layer is created), or nothing for ``None``.
+
+    Raises:
+        ValueError: ``mode`` given while ``tf.keras`` is Keras 2 (``tf_keras``
+            or TF <= 2.15), which has no ``RematScope``.
+    """
+    import contextlib
+
+    if mode is None:
+        return contextlib.nullcontext()
+    from accum_optimizer import _packages
+
+    kind, package = _packages.active_keras()
+    if kind != "keras3":
+        raise ValueError(f"`remat`={mode!r} needs Keras 3's keras.RematScope; this model's Keras is "
+                         f"{package.__name__} {package.__version__} (Keras 2 has no rematerialisation scope).")
+    return package.RematScope(mode=mode)
+
+
 def measure(spec: dict, before_timing: Any = None) -> dict:
     """Train the three steps of one probe (``spec``: build, batch, the micro
     batch size, the budget) and return its figures; ``before_timing()``, if
@@ -79,8 +102,10 @@ def measure(spec: dict, before_timing: Any = None) -> dict:
     result: dict[str, Any] = {"micro_batch_size": spec["micro_batch_size"], "device": device, "pid": os.getpid(),
                               "gpus": len(tf.config.list_physical_devices("GPU"))}
     build, make_batch = load_function(spec["build"], "build"), load_function(spec["batch"], "batch")
+    result["remat"] = spec.get("remat")
     try:
-        model = build()
+        with remat_scope(spec.get("remat")):
+            model = build()
         batch = make_batch(spec["micro_batch_size"])
         model.compile(optimizer=_accumulating(model.optimizer, AccumulatingOptimizer), loss=model.loss)
         tf.config.experimental.reset_memory_stats(device)
@@ -108,32 +133,85 @@ def _preload(build: str, batch: str) -> None:
         import accum_optimizer  # noqa: F401
         from accum_optimizer.plan import load_function
 
-        load_function(build, "build"), load_function(batch, "batch")
+        if build:
+            load_function(build, "build"), load_function(batch, "batch")
     except BaseException:  # noqa: BLE001 - measure() raises it again, and reports it
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = argv if argv is not None else sys.argv[1:]
-    before_timing = None
-    if argv[:1] == ["--wait"]:
-        _preload(argv[1], argv[2])
-        sys.stdout.write(READY + "\n")
-        sys.stdout.flush()
-        spec = {"build": argv[1], "batch": argv[2], **json.loads(sys.stdin.readline())}
+def _threads() -> int | None:
+    """The process's OS threads (Linux's ``/proc/self/task``), or ``None``."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
-        def before_timing() -> None:  # the planner answers once the next probe's process is idle
-            sys.stdout.write(TRACED + "\n")
-            sys.stdout.flush()
-            sys.stdin.readline()
-    else:
-        spec = json.loads(argv[0])
+
+def _answer(spec: dict, before_timing: Any) -> None:
+    """Measure ``spec`` and write its ``PROBE_RESULT`` line."""
     try:
         result = measure(spec, before_timing)
     except BaseException:  # noqa: BLE001 - the parent shows the child's traceback
         result = {"micro_batch_size": spec.get("micro_batch_size"), "error": traceback.format_exc()}
     sys.stdout.write(PREFIX + json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+def _wait_for_go() -> None:  # the planner answers once nothing else runs beside the timed steps
+    sys.stdout.write(TRACED + "\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+
+
+def fork_server(build: str, batch: str) -> int:
+    """``--fork``: import TensorFlow, this package and the user's two
+    functions once, then answer each spec line of standard input in a child
+    forked for it (a fresh TensorFlow runtime: none was started here), and
+    report a child that died without a result as ``PROBE_EXIT <json>``.
+    ``PROBE_READY {"forkable": ...}`` first: false if the user's modules
+    started TensorFlow's runtime at import (its threads; forking a process
+    with a running runtime is unsafe), and the planner then starts a
+    process per probe instead."""
+    _preload("", "")  # TensorFlow and this package
+    before = _threads()
+    _preload(build, batch)
+    after = _threads()
+    forkable = before is not None and after is not None and after <= before
+    sys.stdout.write(READY + " " + json.dumps({"forkable": forkable}) + "\n")
+    sys.stdout.flush()
+    if not forkable:
+        return 0
+    for line in sys.stdin:
+        if not line.strip():  # a go line whose child had died
+            continue
+        spec = {"build": build, "batch": batch, **json.loads(line)}
+        pid = os.fork()
+        if pid == 0:
+            _answer(spec, _wait_for_go)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            code = os.waitstatus_to_exitcode(status)
+            sys.stdout.write(EXIT + " " + json.dumps({"micro_batch_size": spec["micro_batch_size"],
+                                                      "returncode": code}) + "\n")
+            sys.stdout.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = argv if argv is not None else sys.argv[1:]
+    if argv[:1] == ["--fork"]:
+        return fork_server(argv[1], argv[2])
+    before_timing = None
+    if argv[:1] == ["--wait"]:
+        _preload(argv[1], argv[2])
+        sys.stdout.write(READY + "\n")
+        sys.stdout.flush()
+        spec = {"build": argv[1], "batch": argv[2], **json.loads(sys.stdin.readline())}
+        before_timing = _wait_for_go
+    else:
+        spec = json.loads(argv[0])
+    _answer(spec, before_timing)
     return 0
 
 

@@ -150,38 +150,73 @@ def test_plan_chooses_the_largest_size_under_the_limit_and_its_n(peaks):
     assert any(f"B={b}:" in line and "fits" in line for line in lines) and f"micro_batch_size={b}," in "".join(lines)
 
 
-def test_each_probe_runs_in_a_fresh_process_started_ahead(monkeypatch):
-    """Each probe measures in a process of its own (none reused: TensorFlow
-    keeps a cleared model's buffers), the next one started while the
-    previous probe trains, and the spare one stopped when the search ends.
-    ``batch_oom_above`` raises TensorFlow's out-of-memory error from B = 24
-    (``OOM_FROM``): sizes 16 (fits), 32 and 24 (out of memory), 20 (fits):
-    B = 20, four probes in four processes, a fifth started ahead of a probe
-    that never came."""
-    import accum_optimizer.plan as planner
-    from support.plan_models import OOM_FROM
-
+def _recording(planner, fork):
+    """A ``_Prober`` on the given route that records the processes it starts
+    and the process each probe measured in."""
     started, measured_in = [], []
 
     class Recording(planner._Prober):
-        def _start(self):
-            process, stderr = super()._start()
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "fork": fork})
+
+        def _start(self, *args):
+            process, stderr = super()._start(*args)
             started.append(process)
             return process, stderr
 
         def measure(self, *args, **kwargs):
             result = super().measure(*args, **kwargs)
-            measured_in.append(result["pid"])
+            measured_in.append(result.get("pid"))
             return result
 
+    return Recording, started, measured_in
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["fork", "spawn"])
+@pytest.mark.parametrize("batch", ["batch_oom_above", "batch_killed_above"])
+def test_each_probe_runs_in_a_fresh_process(monkeypatch, fork, batch):
+    """Each probe measures in a process of its own (none reused: TensorFlow
+    keeps a cleared model's buffers), and none is left when the search
+    ends. From B = 24 (``OOM_FROM``) the batch function raises TensorFlow's
+    out-of-memory error, or the process is killed (``SIGKILL``, as by the
+    kernel's out-of-memory killer): both mean "does not fit". Sizes 16
+    (fits), 32 and 24 (no), 20 (fits): B = 20. Forked: one server process,
+    a child per probe. Spawned: four processes measured, and ``AHEAD`` more
+    started ahead of probes that never came."""
+    import accum_optimizer.plan as planner
+    from support.plan_models import OOM_FROM
+
+    Recording, started, measured_in = _recording(planner, fork)
     monkeypatch.setattr(planner, "_Prober", Recording)
-    plan = plan_accumulation(BUILD, "support.plan_models:batch_oom_above", target_batch_size=64, memory_limit="1GiB",
+    plan = plan_accumulation(BUILD, f"support.plan_models:{batch}", target_batch_size=64, memory_limit="1GiB",
                              margin=1.0, max_micro_batch_size=32, multiple_of=4, start=16, verbose=False)
     assert [(t["micro_batch_size"], t["peak_bytes"] is None) for t in plan.trials] == [
         (16, False), (32, True), (24, True), (20, False)]
     assert plan.micro_batch_size == 20 == OOM_FROM - 4
-    assert measured_in == [p.pid for p in started[:4]]
-    assert len(started) == 5 and all(p.poll() is not None for p in started)
+    fitted = [pid for pid, t in zip(measured_in, plan.trials) if t["peak_bytes"] is not None]
+    if fork:
+        (server,) = started
+        assert len(set(fitted)) == 2 and server.pid not in fitted
+    else:
+        assert len(started) == 4 + planner._Prober.AHEAD and fitted == [started[0].pid, started[3].pid]
+    assert all(p.poll() is not None for p in started)
+
+
+def test_a_module_that_starts_tensorflow_at_import_is_probed_without_forking(monkeypatch):
+    """``support.plan_tf_at_import`` runs a TensorFlow op when imported: its
+    runtime's threads start, so the fork server declines (forking them is
+    unsafe) and each probe gets a process of its own; the plan is the same
+    as the forked one's would be (16 fits, 32 does not: B = 16)."""
+    import accum_optimizer.plan as planner
+
+    Recording, started, measured_in = _recording(planner, None)
+    monkeypatch.setattr(planner, "_Prober", Recording)
+    plan = plan_accumulation("support.plan_tf_at_import:build", "support.plan_models:batch_oom_above",
+                             target_batch_size=64, memory_limit="1GiB", margin=1.0, max_micro_batch_size=32,
+                             multiple_of=16, start=16, verbose=False)
+    assert [(t["micro_batch_size"], t["fits"]) for t in plan.trials] == [(16, True), (32, False)]
+    server, *spawned = started
+    assert spawned and measured_in[0] == spawned[0].pid != server.pid
 
 
 def test_json_round_trip_and_plot(tmp_path):
@@ -251,7 +286,7 @@ def test_repeats_measure_a_sizes_spread_over_fresh_processes_and_fit_with_it():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(repeats=0), r"`repeats` must be a positive integer.*repeats=0"),
-    (dict(remat=True), r"`remat` is planned on JAX only.*KERAS_BACKEND=jax.*remat=True"),
+    (dict(remat="larger_than"), r"`remat` must be True, False, None, or one or more of.*remat='larger_than'"),
     (dict(target_batch_size=0), r"`target_batch_size` must be a positive integer.*target_batch_size=0"),
     (dict(memory_limit="-1GiB"), r"`memory_limit` must be a positive.*'-1GiB'"),
     (dict(memory_limit="10 parsecs"), r"`memory_limit`.*'10 parsecs'"),
@@ -313,3 +348,18 @@ def test_the_worked_example_in_the_readme_and_docs_is_the_saved_plan():
         block = text.split("<!-- plan-example:begin -->")[1].split("<!-- plan-example:end -->")[0]
         assert block.strip() == f"```text\n{plan.table()}\n```", page
         assert "examples.plan_model:build examples.plan_model:batch" in text
+
+
+def test_the_remat_example_in_the_docs_is_the_saved_plan():
+    """docs/plan.md's TensorFlow remat example is the table of
+    ``docs/plan/plan_remat_tf.json``, which the command it names wrote: no
+    remat, ``"activations"`` (a larger B) and ``"full"`` (not applicable in
+    a TensorFlow graph), the fastest chosen."""
+    root = pathlib.Path(TESTS).parent
+    plan = Plan.from_json(root / "docs" / "plan" / "plan_remat_tf.json")
+    fitting = [c for c in plan.candidates if "error" not in c]
+    assert plan.backend == "tensorflow" and plan.candidates[0] == max(fitting, key=lambda c: c["samples_per_second"])
+    text = (root / "docs" / "plan.md").read_text()
+    block = text.split("<!-- plan-remat-tf-example:begin -->")[1].split("<!-- plan-remat-tf-example:end -->")[0]
+    assert block.strip() == f"```text\n{plan.table()}\n```"
+    assert "support.plan_remat:build support.plan_remat:batch" in text

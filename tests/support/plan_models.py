@@ -11,6 +11,8 @@ temporaries; ``batch(B)``: B samples of it (fixed seed).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 SIDE, CHANNELS, FILTERS, OUT = 32, 3, 16, 10
@@ -152,3 +154,14 @@ def batch_blocks(micro_batch_size):
     x = rng.normal(size=(micro_batch_size, BLOCKS_LEN, BLOCKS_WIDTH)).astype(np.float32)
     y = rng.normal(size=(micro_batch_size, BLOCKS_OUT)).astype(np.float32)
     return x, y
+
+
+def batch_killed_above(micro_batch_size):
+    """``batch`` below ``OOM_FROM``; at and above it the probe's process is
+    killed with ``SIGKILL``, as the kernel's out-of-memory killer ends a
+    process that outgrew the machine's memory."""
+    if micro_batch_size >= OOM_FROM:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return batch(micro_batch_size)
