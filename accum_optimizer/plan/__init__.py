@@ -377,7 +377,8 @@ class Plan:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ImportError('Plan.plot needs matplotlib: pip install "accum_optimizer[plan]".') from None
+            raise ImportError('Plan.plot needs matplotlib: pip install "accum_optimizer[plan]" (from a clone: '
+                              "pip install '.[plan]').") from None
         path = Path(path)
         measured = sorted((t for t in self.trials if t["peak_bytes"] is not None), key=lambda t: t["micro_batch_size"])
         fig, ax = plt.subplots(figsize=(6.4, 4.0))

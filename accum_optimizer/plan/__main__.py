@@ -37,11 +37,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="probe each B this many times; it fits when its largest peak plus the spread does "
                              "(default 1)")
     parser.add_argument("--remat", nargs="?", const="all", default=None, metavar="MODE[,MODE]",
-                        help="JAX: also plan under keras.RematScope (every mode of REMAT_MODES, or the modes "
-                             "given) and rank the candidates by samples per second at the target")
+                        help="JAX and TensorFlow: also plan under keras.RematScope (every mode of REMAT_MODES, or "
+                             "the modes given, comma-separated) and rank the candidates by samples per second at "
+                             "the target")
     parser.add_argument("--json", default=None, help="write the plan here")
     parser.add_argument("--plot", default=None, help="plot peak memory against B here (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # say so before minutes of probes, not after
+            print('error: --plot needs matplotlib: pip install "accum_optimizer[plan]" (from a clone: '
+                  "pip install '.[plan]'), or leave --plot out.", file=sys.stderr)
+            return 2
     try:
         plan = plan_accumulation(
             args.build, args.batch, target_batch_size=args.target_batch_size, memory_limit=args.memory_limit,

@@ -236,6 +236,24 @@ def test_json_round_trip_and_plot(tmp_path):
     assert "micro_batch_size=208 (effective batch 1040)" in wide.table()
 
 
+def test_command_line_refuses_a_plot_without_matplotlib_before_any_probe(tmp_path, monkeypatch, capsys):
+    """``--plot`` where matplotlib cannot be imported: exit status 2 and the
+    install line, before :func:`plan_accumulation` runs (not after minutes
+    of probes)."""
+    import importlib.util
+
+    from accum_optimizer.plan import __main__ as cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(cli, "plan_accumulation", lambda *a, **k: pytest.fail("planned without matplotlib"))
+    argv = [BUILD, BATCH, "--target-batch-size", "40", "--memory-limit", "1GiB", "--plot", str(tmp_path / "p.png")]
+    assert cli.main(argv) == 2
+    assert "--plot needs matplotlib: pip install \"accum_optimizer[plan]\"" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_command_line_gives_the_plan_of_the_function(tmp_path, monkeypatch, peaks):
     """The command line calls :func:`plan_accumulation` with its arguments
     (recorded in-process: every option maps to the same keyword), prints the
