@@ -1,4 +1,4 @@
-"""One gradient reduction per window under ``keras.distribution.DataParallel`` on JAX (issue 30, item 2).
+"""One gradient reduction per window under ``keras.distribution.DataParallel`` on JAX.
 
 The compiled train step's optimized HLO and the exactness over four
 simulated CPU devices are measured by ``benchmarks.jax_reduction --check``
