@@ -193,3 +193,21 @@ def run_cluster(argv: Sequence[str], log_dir: Path, timeout: float, num_workers:
 def port_clash(log: str) -> bool:
     """Does a failed job's log say a worker could not bind its port?"""
     return any(s in log for s in ("Address already in use", "Failed to add port", "Could not start gRPC server"))
+
+
+def run_worker(main) -> None:
+    """A worker script's entry: exit with ``main()``'s code (through
+    ``sys.exit``: the framework's exit handlers run, e.g. JAX's shutdown, a
+    barrier with the peers); on any exception, print it and exit at once
+    (``os._exit(1)``): after a peer's failure TensorFlow's or JAX's shutdown
+    can wait for the coordination service long after the error."""
+    try:
+        code = main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(code)

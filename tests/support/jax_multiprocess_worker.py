@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/: the support package
 sys.path.insert(0, str(HERE.parents[1]))  # the repository: accum_optimizer
 
 from support import jax_multiprocess_setup as S  # noqa: E402
+from support.cluster import run_worker  # noqa: E402
 
 
 def start_runtime(process_id: int, port: int):
@@ -157,15 +158,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:
-        # Exit at once: after a peer's failure JAX's shutdown can wait for the
-        # coordination service long after the error.
-        import traceback
-
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.exit(code)  # (JAX's atexit shutdown: a barrier with the peer)
+    run_worker(main)

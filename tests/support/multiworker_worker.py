@@ -47,6 +47,7 @@ keras = S.keras  # Keras 3, or tf.keras where it is Keras 2 (the Keras 2 familie
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
 from multiworker import keras_fit_workaround  # noqa: E402  (examples/multiworker.py)
+from support.cluster import run_worker  # noqa: E402
 from support.collectives import CollectiveCounter, deltas  # noqa: E402
 from support.reference import make_data, make_mlp  # noqa: E402
 
@@ -396,15 +397,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:
-        # Exit at once: after a peer's death TensorFlow's shutdown can wait
-        # for the coordination service long after the error.
-        import traceback
-
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.exit(code)
+    run_worker(main)
