@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 from accum_optimizer.core.state import NONFINITE_POLICIES, REDUCTIONS
+from accum_optimizer.families import _window
 
 
 class _Required:
@@ -422,6 +423,9 @@ class Constructor:
         **kwargs: Any,
     ) -> None:
         self._check_environment()
+        # The one attribute written past the framework's tracking: everything
+        # untracked is the window's (families/_window.py).
+        self.__dict__["_window"] = _window.Window()
         for key in self._IGNORED:
             kwargs.pop(key, None)
         reject_inner_arguments(kwargs, self._INNER_ONLY, self._inner_example())
@@ -440,9 +444,10 @@ class Constructor:
         args = Arguments(inner, steps, reduction, name, nonfinite, accumulator_dtype)
         self._before_base(args)
         super().__init__(**self._base_arguments(args))
-        self.__dict__["_gradient_accumulation_steps"] = steps
+        self._window.steps = steps
+        self._window.hooks = self._hooks()
         self._init_state(args)
-        self.__dict__["_constructed"] = True  # (from now on, settings of the inner are forwarded)
+        self._window.constructed = True  # (from now on, settings of the inner are forwarded)
         _WRAPPERS[id(inner)] = (weakref.ref(inner), weakref.ref(self))
 
     def __repr__(self) -> str:
@@ -464,11 +469,12 @@ class Constructor:
         """N, micro-steps per update: an int, or the schedule given (a dict
         ``{first_update: N}`` or a callable ``update_index -> N``). Read-only:
         fixed at construction."""
-        return self.__dict__.get("_gradient_accumulation_steps")
+        window = self.__dict__.get("_window")
+        return None if window is None else window.steps
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: Any) -> None:
-        if "_gradient_accumulation_steps" not in self.__dict__ and value is None:
+        if self.gradient_accumulation_steps is None and value is None:
             return  # Keras 3's base __init__ sets its own (None: built-in accumulation off)
         raise AttributeError(
             "`gradient_accumulation_steps` is read-only after construction "
@@ -518,6 +524,11 @@ class Constructor:
     def _init_state(self, args: Arguments) -> None:
         raise NotImplementedError
 
+    def _hooks(self) -> Any:
+        """The family's :class:`~accum_optimizer.families._window.Hooks`, or
+        ``None`` (a family that keeps its windows elsewhere)."""
+        return None
+
 
 # ------------------------------------------- the inner optimizer's settings
 def forwarded(name: str, writable: bool = True) -> property:
@@ -531,7 +542,7 @@ def forwarded(name: str, writable: bool = True) -> property:
         inner = self.__dict__.get("inner_optimizer")
         if inner is None:
             try:
-                return self.__dict__["_before_inner"][name]
+                return self._window.before_inner[name]
             except KeyError:
                 raise AttributeError(name) from None
         return getattr(inner, name)
@@ -539,7 +550,7 @@ def forwarded(name: str, writable: bool = True) -> property:
     def fset(self: Any, value: Any) -> None:
         inner = self.__dict__.get("inner_optimizer")
         if inner is None:
-            self.__dict__.setdefault("_before_inner", {})[name] = value
+            self._window.before_inner[name] = value
         elif writable:
             setattr(inner, name, value)
         else:

@@ -210,7 +210,8 @@ class ForwardsSettings:
         return getattr(inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        inner = self._inner_setting(name) if self.__dict__.get("_constructed") else None
+        window = self.__dict__.get("_window")
+        inner = self._inner_setting(name) if window is not None and window.constructed else None
         if inner is not None:
             setattr(inner, name, value)
         else:

@@ -9,7 +9,7 @@ rules, the build order of the variables, the trace-time choice of the
 window's normaliser (:meth:`Accumulating._weighted`), the micro-step's
 checks and its route to the pass-through (N = 1) or the window, per-variable
 gating of the inner update with one lock for all replicas
-(:meth:`Accumulating._gated`), the flush of a partial window.
+(:meth:`accum_optimizer.families._window.Window.gated`), the flush of a partial window.
 
 A *route* subclass supplies what depends on the framework:
 :mod:`accum_optimizer.families._tf2` (TensorFlow: ``tf.function``,
@@ -23,14 +23,11 @@ gate patches (``_install_gates``), its saving. The algorithm is
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import threading
 from typing import Any, Callable, Sequence
 
 from accum_optimizer import _args, core, counting
-
-_GATE_LOCK = threading.Lock()
+from accum_optimizer.families import _window
 
 
 def variable_name(variable: Any) -> str:
@@ -78,9 +75,10 @@ class Accumulating(_args.Constructor):
     Attributes it reads, set by the family: ``inner_optimizer``,
     ``gradient_accumulation_steps``, ``reduction``, ``nonfinite``, the
     window's variables (``micro_steps``, ``acc_grads``, ``grad_received``,
-    ``mini_step``, ``window_weight``, the skip counters where kept) and, set
-    untracked at build, ``_build_order`` (the trainable variables in build
-    order), ``_row_trackers`` (per variable, a row tracker or ``None``).
+    ``mini_step``, ``window_weight``, the skip counters where kept). What
+    is not a variable is the window's (``self._window``, a
+    :class:`~accum_optimizer.families._window.Window`), given at build: the
+    build order (:meth:`_set_build_order`) and the row trackers.
     """
 
     # False: every window is dense, as before the row trackers (which still
@@ -108,6 +106,23 @@ class Accumulating(_args.Constructor):
         if weight is None:
             weight = counting.reported_count(self.reduction)
         return self._check_weight(weight)
+
+    # ------------------------------------------------- the family's hooks
+    def _hooks(self) -> _window.Hooks:
+        return _window.Hooks(self._key_of, self._update_inner, self._install_gates)
+
+    def _key_of(self, variable: Any) -> Any:
+        """How the inner optimizer keys ``variable`` (hashable)."""
+        raise NotImplementedError
+
+    def _update_inner(self, grads: list, variables: list) -> Any:
+        """The one call of the inner optimizer at an update."""
+        raise NotImplementedError
+
+    def _install_gates(self, gates: dict) -> Callable[[], None]:
+        """Gate the inner optimizer's per-variable writes (see
+        :class:`~accum_optimizer.families._window.Hooks`); returns the remover."""
+        raise NotImplementedError
 
     # ------------------------------------------------- the route's hooks
     def _check_weight(self, weight: Any) -> Any:
@@ -146,30 +161,31 @@ class Accumulating(_args.Constructor):
         return None
 
     def _window_built(self) -> bool:
-        return "_build_order" in self.__dict__
+        return self._window.built
 
-    def _index_of(self, variable: Any) -> int:
-        """``variable``'s position in build order."""
-        return self._build_index[self._key_of(variable)]
+    @property
+    def _build_order(self) -> list:
+        """The trainable variables in build order (the accumulators' order)."""
+        return self._window.build_order
 
-    def _is_known(self, variable: Any) -> bool:
-        return self._key_of(variable) in self._build_index
+    @property
+    def _row_trackers(self) -> list:
+        """Per variable in build order, its row tracker or ``None``."""
+        return self._window.row_trackers
 
     def _check_known(self, variables: Sequence[Any]) -> None:
         """Raise ValueError for a variable the optimizer was not built with."""
-        for v in variables:
-            if not self._is_known(v):
-                raise ValueError(
-                    f"Unknown variable: {variable_name(v)!r}. This optimizer can only be "
-                    "called for the variables it was originally built with. When working "
-                    "with a new set of variables, create a new optimizer instance (or "
-                    "call `optimizer.build(all_variables)` with every variable before "
-                    "the first step)."
-                )
+        for v in self._window.unknown(variables)[:1]:
+            raise ValueError(
+                f"Unknown variable: {variable_name(v)!r}. This optimizer can only be "
+                "called for the variables it was originally built with. When working "
+                "with a new set of variables, create a new optimizer instance (or "
+                "call `optimizer.build(all_variables)` with every variable before "
+                "the first step)."
+            )
 
     def _set_build_order(self, variables: Sequence[Any]) -> None:
-        self._set_untracked("_build_order", list(variables))
-        self._set_untracked("_build_index", {self._key_of(v): i for i, v in enumerate(variables)})
+        self._window.set_build_order(variables)
 
     def _link_followers(self, variables: Sequence[Any]) -> None:
         """At build: the layers whose windows end with this optimizer's
@@ -178,8 +194,7 @@ class Accumulating(_args.Constructor):
         if self._accumulates:
             from accum_optimizer.layers import _link
 
-            self._set_untracked("_window_followers", _link.follow(
-                self, variables, eager_micro_step=self.__dict__.get("_eager_micro_step_build", False)))
+            self._window.followers = tuple(_link.follow(self, variables, eager_micro_step=self._window.eager_build))
 
     def _executing_eagerly(self) -> bool:
         """Does the current micro-step run eagerly (not traced)?"""
@@ -210,15 +225,8 @@ class Accumulating(_args.Constructor):
     def learning_rate(self, learning_rate: Any) -> None:
         self.inner_optimizer.learning_rate = learning_rate
 
-    def _set_untracked(self, name: str, value: Any) -> None:
-        """An attribute that neither Keras nor TensorFlow tracks (written
-        past their ``__setattr__``)."""
-        self.__dict__[name] = value
-
     def _window_state(self) -> core.WindowState:
-        trackers = self.__dict__.get("_row_trackers") or []
-        seen = self.__dict__.get("_sparse_seen", ())
-        rows = [t if i in seen else None for i, t in enumerate(trackers)]
+        rows = self._window.seen_trackers()
         n = len(self._build_order)
         return core.WindowState(
             acc_grads=self.acc_grads,
@@ -233,7 +241,7 @@ class Accumulating(_args.Constructor):
             skipped_micro_steps=getattr(self, "skipped_micro_steps", None),
             skipped_windows=getattr(self, "skipped_windows", None),
             window_poisoned=getattr(self, "window_poisoned", None),
-            followers=tuple(self.__dict__.get("_window_followers", ())),
+            followers=self._window.followers,
             combine=self._combine(),
         )
 
@@ -249,43 +257,10 @@ class Accumulating(_args.Constructor):
 
     def _weighted(self, weight: Any, replicas: int) -> bool:
         """Trace-time: may this window's counts differ between replicas?
-
-        Once any micro-step is traced with a weight, every window closed
-        afterwards sums the counts over replicas (one scalar reduction per
-        update); before, each replica divides by its own micro-step count,
-        with no reduction. A traced close of the second kind that later meets
-        weighted micro-steps would divide wrongly under a multi-replica
-        strategy, so that order raises.
-
-        Raises:
-            ValueError: a weighted micro-step after an unweighted close was
-                traced under a multi-replica strategy.
-        """
-        flags = self.__dict__
-        if weight is not None and not flags.get("_weights_seen"):
-            if replicas > 1 and flags.get("_unweighted_close_traced"):
-                raise ValueError(
-                    "AccumulatingOptimizer got a weighted micro-step (weight= or a "
-                    "CountedLoss) after a train step without weights was traced "
-                    f"under a {replicas}-replica strategy; that step's update would "
-                    "normalise by the micro-step count. Use weights in every train "
-                    "step of this optimizer (weight=1 counts like none)."
-                )
-            flags["_weights_seen"] = True
-        weighted = bool(flags.get("_weights_seen"))
-        if not weighted:
-            flags["_unweighted_close_traced"] = True
-        return weighted
+        (:meth:`~accum_optimizer.families._window.Window.weighted`)."""
+        return self._window.weighted(weight, replicas)
 
     # ------------------------------------------------------- the micro-step
-    def _in_build_order(self, grads: Sequence[Any], variables: Sequence[Any]) -> list:
-        """The gradients placed in build order; variables absent from this
-        call get ``None`` (no contribution this micro-step)."""
-        full = [None] * len(self._build_order)
-        for g, v in zip(grads, variables):
-            full[self._index_of(v)] = g
-        return full
-
     def _take_micro_step(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any,
                          name: str | None = None) -> Any:
         """One micro-step of ``grads`` for ``variables`` (any order, a
@@ -304,15 +279,15 @@ class Accumulating(_args.Constructor):
         self._before_micro_step(grads, variables)
         if not self._window_built():
             # (the layers linked at this build know it is a micro-step's, and whether eager)
-            self._set_untracked("_eager_micro_step_build", self._executing_eagerly())
+            self._window.eager_build = self._executing_eagerly()
             try:
                 self._build_on_first_use(variables)
             finally:
-                self._set_untracked("_eager_micro_step_build", False)
+                self._window.eager_build = False
         self._check_known(variables)
         if not self._accumulates:
             return self._step_result(self._pass_through(grads, variables, weight), name)
-        return self._step_result(self._enter_window(self._in_build_order(grads, variables), weight), name)
+        return self._step_result(self._enter_window(self._window.in_build_order(grads, variables), weight), name)
 
     def _before_micro_step(self, grads: list, variables: list) -> None:
         """The family's own checks or warnings of a micro-step's gradients."""
@@ -330,20 +305,11 @@ class Accumulating(_args.Constructor):
     def _micro_step(self, grads: list, replicas: core.Replicas, weight: Any = None, finite: Any = None) -> list:
         """The window's micro-step; returns the ops and outputs it made (what
         a TF graph groups into the micro-step's op)."""
-        b, state = self._backend(), None
-        trackers = self.__dict__.get("_row_trackers") or []
-        for i, g in enumerate(grads):  # remembered across traces (see `_window_state`)
-            if i < len(trackers) and trackers[i] is not None and g is not None and b.is_sparse(g):
-                self.__dict__.setdefault("_sparse_seen", set()).add(i)
-        state = self._window_state()
+        b = self._backend()
+        self._window.note_sparse(grads, b.is_sparse)  # (remembered across traces)
         rules = self._rules(self._weighted(weight, replicas.count))
-        resumed = None
-        if self._resumes_position:
-            with b.after(grads):
-                resumed = core.resume_position(b, state, rules, replicas=replicas)
-        with b.after(resumed):  # (explicit in a v1 graph; automatic in a tf.function)
-            out = core.micro_step(b, state, rules, grads, replicas=replicas, weight=weight, finite=finite)
-        return [*getattr(b, "made", ()), resumed, out]
+        return self._window.micro_step(b, self._window_state(), rules, grads, replicas, weight, finite,
+                                       resumes=self._resumes_position)
 
     # --------------------------------------------------------- the update
     def _apply_inner(self, window_grads: list, gates: dict) -> Any:
@@ -356,62 +322,23 @@ class Accumulating(_args.Constructor):
         route it takes (torch's optimizers update all variables at once,
         without ``update_step``). Otherwise the inner optimizer's
         per-variable mutations run under a ``cond`` on each gate
-        (:meth:`_gated`)."""
+        (:meth:`~accum_optimizer.families._window.Window.gated`)."""
         opened = self._open_gates(gates) if gates else None
         if opened is not None:
             kept = [i for i in range(len(window_grads)) if opened.get(i, True)]
-            applied = self._update_inner([window_grads[i] for i in kept], [self._build_order[i] for i in kept])
+            applied = self._window.hooks.update_inner(
+                [window_grads[i] for i in kept], [self._build_order[i] for i in kept])
         else:
-            with self._gated(gates):
-                applied = self._update_inner(window_grads, self._build_order)
+            with self._window.gated(gates):
+                applied = self._window.hooks.update_inner(window_grads, self._build_order)
         self._after_inner_update(window_grads)
         return applied  # (its op, ordered by the caller in a v1 graph)
 
     def _open_gates(self, gates: dict) -> dict | None:
         """``{index: bool}``, each gate's value, where all of them are known
         when the update is built (not symbolic) and at least one is open;
-        else ``None`` (the gates are applied by :meth:`_gated`)."""
+        else ``None`` (the gates are applied by ``Window.gated``)."""
         return None
-
-    @contextlib.contextmanager
-    def _gated(self, gates: dict):
-        """Skip, per variable, the inner update of variables that had no
-        gradient in the window.
-
-        ``gates`` (from :func:`accum_optimizer.core.micro_step`) holds, for
-        each variable without a gradient on this micro-step, a boolean that
-        is true iff it had one earlier in the window. The family's
-        ``_install_gates`` makes the inner optimizer's per-variable
-        mutations of those variables run under a ``cond`` on it; global
-        state (``iterations``, EMA over all variables) moves once per
-        update, as in the large-batch reference.
-
-        Under ``MirroredStrategy`` every replica runs this at once (in its
-        own thread) around the same inner optimizer: the first replica to
-        enter installs the gates, the last to leave removes them (the gates
-        are equal in every replica: ``grad_received`` is mirrored).
-        """
-        if not gates:
-            yield
-            return
-        with _GATE_LOCK:
-            depth = self.__dict__.get("_gate_depth", 0)
-            if depth == 0:
-                self._set_untracked("_remove_gates", self._install_gates(gates))
-            self._set_untracked("_gate_depth", depth + 1)
-        try:
-            yield
-        finally:
-            with _GATE_LOCK:
-                self._set_untracked("_gate_depth", self._gate_depth - 1)
-                if self._gate_depth == 0:
-                    remove = self._remove_gates
-                    self._set_untracked("_remove_gates", None)
-                    remove()
-
-    def _gate_keys(self, gates: dict, key: Callable[[Any], Any]) -> dict:
-        """``gates`` keyed by ``key(variable)`` instead of build-order index."""
-        return {key(self._build_order[i]): g for i, g in gates.items()}
 
     # ------------------------------------------------------ partial window
     def _check_flushable(self) -> None:
@@ -425,14 +352,9 @@ class Accumulating(_args.Constructor):
             )
 
     def _flush_window(self, replicas: core.Replicas) -> list:
-        b, state = self._backend(), self._window_state()
-        rules = self._rules(bool(self.__dict__.get("_weights_seen")))
-        resumed = None
-        if self._resumes_position:
-            resumed = core.resume_position(b, state, rules, replicas=replicas)
-        with b.after(resumed):
-            out = core.flush(b, state, rules, replicas=replicas)
-        return [*getattr(b, "made", ()), resumed, out]
+        rules = self._rules(self._window.weights_seen)
+        return self._window.flush(self._backend(), self._window_state(), rules, replicas,
+                                  resumes=self._resumes_position)
 
 
 def saved_layout(variables: Sequence[Any], blocks: Sequence[Sequence[Any]], saved: Sequence[Any]) -> list:

@@ -315,7 +315,7 @@ class Accumulating(_accumulating.Accumulating):
 
     def _device_count(self) -> int | None:
         """The devices of the per-device accumulators (``use_device_accumulators``), else ``None``."""
-        devices = self.__dict__.get("_device_accumulators")
+        devices = self._window.context.get("device_accumulators")
         return None if devices is None else devices[1]
 
     def _check_weight(self, weight: Any) -> Any:

@@ -2,36 +2,49 @@
 
 * :class:`TF1Backend`: the core's backend for graphs built by hand, whose
   assignments return the ops the algorithm orders explicitly.
-* :class:`Window`: one wrapper's accumulation state in one graph (a wrapper
-  used in several graphs, or eagerly, has one per graph).
-* The checks of ``apply_gradients``' input and the ``TRAIN_OP`` collection
-  kept as the plain optimizer leaves it.
+* :class:`GraphWindow`: one wrapper's window in one graph (a wrapper used
+  in several graphs, or eagerly, has one per graph): the shared
+  :class:`~accum_optimizer.families._window.Window` (build order, gating)
+  with the graph's state record.
+* :func:`train_op`: a micro-step's or flush's ops grouped into the op to
+  run, the ``TRAIN_OP`` collection kept as the plain optimizer leaves it.
+* The checks of ``apply_gradients``' input.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
 from accum_optimizer import core
 from accum_optimizer._compat import tf as compat
+from accum_optimizer.families import _window
 from accum_optimizer.families._tf import TFBackend, check_gradient_shapes, control_inputs
 
 tf1 = tf.compat.v1
 
 
-@dataclasses.dataclass
-class Window:
-    """The accumulation state of one wrapper in one graph (or eagerly)."""
+class GraphWindow(_window.Window):
+    """The window of one wrapper in one graph (or eagerly): the shared
+    window keyed by ``variable.ref()``, gated by the inner optimizer's
+    per-variable methods, plus this graph's state record."""
 
-    variables: list  # build order
-    index: dict  # variable.ref() -> position in `variables`
-    state: core.WindowState | None  # None for gradient_accumulation_steps == 1
-    micro_steps: Any
-    global_step: Any = None  # of the first apply_gradients in this graph (for flush)
+    def __init__(self, inner: Any, variables: list, state: core.WindowState | None, micro_steps: Any) -> None:
+        super().__init__()
+        self.hooks = _window.Hooks(
+            key_of=lambda v: v.ref(), update_inner=None,
+            install_gates=lambda gates: install_gates(inner, gates, self.build_order),
+        )
+        self.set_build_order(variables)
+        self.state = state  # None for gradient_accumulation_steps == 1
+        self.micro_steps = micro_steps
+        self.global_step: Any = None  # of the first apply_gradients in this graph (for flush)
+
+    @property
+    def variables(self) -> list:
+        return self.build_order
 
     def own_variables(self) -> list:
         if self.state is None:
@@ -39,6 +52,23 @@ class Window:
         rows = [t for t in (self.state.touched_rows or []) if t is not None]
         return [self.micro_steps, self.state.grad_received, *self.state.acc_grads, *rows,
                 self.state.mini_step, self.state.window_weight, *self.extra_variables().values()]
+
+    def children(self) -> dict:
+        """The variables a ``tf.train.Checkpoint`` saves, by name: what
+        the TF1 wrapper's ``_build`` restores them by (``acc_grad_{i}``,
+        ``touched_rows_{i}``: by position in build order)."""
+        children = {"micro_steps": self.micro_steps}
+        if self.state is None:
+            return children
+        children["grad_received"] = self.state.grad_received
+        for i, acc in enumerate(self.state.acc_grads):
+            children[f"acc_grad_{i}"] = acc
+            tracker = self.state.rows_tracker(i)
+            if tracker is not None:
+                children[f"touched_rows_{i}"] = tracker
+        children["mini_step"] = self.state.mini_step
+        children["window_weight"] = self.state.window_weight
+        return {**children, **self.extra_variables()}
 
     def extra_variables(self) -> dict:
         """The state of a skipping policy and of a schedule, by name (empty
@@ -94,10 +124,41 @@ class TF1Backend(TFBackend):
         return tf.cond(pred, branch(true_fn), branch(false_fn))
 
 
-@contextlib.contextmanager
-def gated(inner: Any, gates: dict, variables: list):
+def make_state(make: Callable[..., Any], name: str, var_list: list, sparse_refs: set, micro_steps: Any,
+               extra: Sequence[str], accumulator_dtype: Callable[[Any], Any]) -> core.WindowState:
+    """The window's variables in this graph, made by ``make(name,
+    initial_value, colocate_with, slot=None)`` in their saved order:
+    ``grad_received``; per variable (build order) its accumulator and, for
+    a sparse one (``ref()`` in ``sparse_refs``), its row tracker; the
+    window's position (0, a fresh state's; state restored from a checkpoint
+    saved without it resumes at ``micro_steps % N``, see
+    :func:`accum_optimizer.core.resume_position`) and count; the ``extra``
+    int64 counters by name."""
+    first = min(var_list, key=lambda v: v.name)
+    with tf.name_scope(f"{name}/"):
+        received = make("grad_received", tf.zeros([len(var_list)], tf.int64), first)
+    accs, trackers = [], []
+    for i, v in enumerate(var_list):
+        with tf.name_scope(f"{op_name(v)}/{name}/"):
+            accs.append(make("acc_grad", tf.zeros(v.shape, accumulator_dtype(v)), v, slot=("acc_grad", i)))
+            tracker = None
+            if v.ref() in sparse_refs and v.shape.rank:
+                tracker = make("touched_rows", tf.zeros(v.shape[:1], tf.int8), v, slot=("touched_rows", i))
+            trackers.append(tracker)
+    with tf.name_scope(f"{name}/"):
+        mini_step = make("mini_step", tf.zeros([], tf.int64), first)
+        window_weight = make("window_weight", tf.zeros([], tf.float32), first)
+        counters = {n: make(n, tf.zeros([], tf.int64), first) for n in extra}
+    return core.WindowState(
+        accs, micro_steps, received, mini_step, window_weight,
+        touched_rows=trackers if any(t is not None for t in trackers) else None,
+        variable_dtypes=[v.dtype.base_dtype for v in var_list], **counters,
+    )
+
+
+def install_gates(inner: Any, gates: dict, variables: list) -> Callable[[], None]:
     """Skip, per variable, the ``inner`` optimizer's update of variables
-    without a gradient in the window.
+    without a gradient in the window; returns the remover.
 
     ``gates`` (from :func:`accum_optimizer.core.micro_step`) maps each
     variable without a gradient on this micro-step to a boolean that is
@@ -107,19 +168,45 @@ def gated(inner: Any, gates: dict, variables: list):
     (Adam's beta powers) and ``global_step`` move once per update, as in
     the large-batch reference.
     """
-    if not gates:
-        yield
-        return
-    remove = compat.gate_constraints(
+    return compat.gate_constraints(
         variables, gates, [compat.tf1_install_gates(inner, {id(variables[i]): g for i, g in gates.items()})]
     )
-    try:
-        yield
-    finally:
-        remove()
 
 
-def unknown_message(name: str, unknown: list, window: Window) -> str:
+class TrainOp:
+    """The op of one micro-step or flush, built in :func:`train_op`:
+    ``backend`` makes the ops; ``parts`` (set by the caller) are the
+    outputs to group with them. ``op`` is ``None`` eagerly."""
+
+    def __init__(self, apply_inner: Any = None) -> None:
+        self.backend = TF1Backend(apply_inner)
+        self.parts: Any = ()
+        self.op: Any = None
+
+
+@contextlib.contextmanager
+def train_op(name: str | None, default_name: str, apply_inner: Any = None, register: bool = True):
+    """Build one micro-step's (or flush's) op: yields a :class:`TrainOp`
+    whose ``backend`` the core runs with, in a name scope; then (in a graph)
+    groups what it made into ``op``. The inner ``apply_gradients``
+    registers its update op, inside the update branch, in ``TRAIN_OP``
+    (control flow v1 builds branches in this graph); the collection is put
+    back as it was, plus ``op`` where ``register`` (a train op; a flush is
+    not one)."""
+    graph_mode = not tf.executing_eagerly()
+    before = collection_snapshot() if graph_mode else None
+    step = TrainOp(apply_inner)
+    with tf1.name_scope(name, default_name) as scope:
+        yield step
+        if graph_mode:
+            step.op = tf.group(*step.backend.made, *control_inputs(step.parts), name=scope)
+    if graph_mode:
+        tf1.get_collection_ref(tf1.GraphKeys.TRAIN_OP)[:] = before
+        if register:
+            collection_restore(before, step.op)
+
+
+def unknown_message(name: str, unknown: list, window: GraphWindow) -> str:
     return (
         f"AccumulatingOptimizer '{name}' was built for "
         f"{len(window.variables)} variables ({[v.name for v in window.variables]}) "
@@ -136,7 +223,7 @@ def state_property(name: str, what: str) -> property:
     graph (``None`` before it is built there, or where the window has none)."""
 
     def fget(self: Any) -> Any:
-        window = self._window()
+        window = self._graph_window()
         return None if window is None or window.state is None else getattr(window.state, name)
 
     return property(fget, doc=f"int64 scalar variable, {what}; ``None`` where not kept "
@@ -182,6 +269,27 @@ def check_variables(values: Any, arg: str) -> list:
                 f"{v!r} of type {type(v).__module__}.{type(v).__qualname__}."
             )
     return values
+
+
+def check_build_arguments(var_list: Any, sparse_var_list: Any) -> tuple[list, list]:
+    """``build``'s arguments as lists, checked.
+
+    Raises:
+        TypeError: an element is not a ``tf.Variable``.
+        ValueError: ``var_list`` is empty or has a variable twice, or
+            ``sparse_var_list`` is not a subset of it.
+    """
+    var_list = check_variables(var_list, "var_list")
+    sparse = check_variables(sparse_var_list, "sparse_var_list")
+    if not var_list:
+        raise ValueError("`var_list` must not be empty. Received: var_list=[].")
+    refs = {v.ref() for v in var_list}
+    if len(refs) != len(var_list):
+        raise ValueError(f"`var_list` lists a variable more than once: {[v.name for v in var_list]}.")
+    outside = [v.name for v in sparse if v.ref() not in refs]
+    if outside:
+        raise ValueError(f"`sparse_var_list` must be a subset of `var_list`; not in var_list: {outside}.")
+    return var_list, sparse
 
 
 def check_grads_and_vars(grads_and_vars: Any) -> list:

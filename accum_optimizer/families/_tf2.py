@@ -271,12 +271,12 @@ class Accumulating(_accumulating.Accumulating):
         if in_v1_graph():
             with strategy_scope(self):
                 return step_op(self._flush_step())
-        function = self.__dict__.get("_flush_function")
+        function = self._window.context.get("flush_function")
         if function is None:
             # (One function per optimizer: tf.function's retracing warning
             # would count one shared bound method across instances.)
             function = tf.function(lambda: self._flush_step(), autograph=False)
-            self._set_untracked("_flush_function", function)
+            self._window.context["flush_function"] = function
         with strategy_scope(self):
             function()
 
@@ -293,7 +293,7 @@ class Accumulating(_accumulating.Accumulating):
         """The strategy in scope at construction (the default strategy if
         none): ``flush`` runs in it (callbacks run outside its scope), and
         the accumulators are placed beside their variables by it."""
-        self._set_untracked("_strategy", tf.distribute.get_strategy())
+        self._window.context["strategy"] = tf.distribute.get_strategy()
 
 
 
@@ -307,7 +307,7 @@ def initialized_now(variables: Sequence[Any]) -> bool:
 def strategy_scope(owner: Any) -> Any:
     """The scope of the strategy ``owner`` was created under, unless a
     strategy is in scope already."""
-    strategy = owner.__dict__.get("_strategy")
+    strategy = owner._window.context.get("strategy")
     if strategy is None or tf.distribute.has_strategy():
         return contextlib.nullcontext()
     return strategy.scope()
@@ -316,7 +316,7 @@ def strategy_scope(owner: Any) -> Any:
 def colocated_with(owner: Any, reference: Any) -> Any:
     """Place variables created in this context beside ``reference`` (by the
     strategy ``owner`` was created under)."""
-    strategy = owner.__dict__.get("_strategy") or tf.distribute.get_strategy()
+    strategy = owner._window.context.get("strategy") or tf.distribute.get_strategy()
     return strategy.extended.colocate_vars_with(tf_variable(reference))
 
 

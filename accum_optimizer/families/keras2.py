@@ -115,7 +115,8 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         self.reduction = args.reduction
         self._keep_numerics(args)
         self._remember_strategy()
-        self.__dict__.update(_window_variables=[], _deferred_state=None, _skip_aggregation=False)
+        # The optional trailing block of the saved layout (see `variables`).
+        self._window.blocks = {"window": []}
 
     # ------------------------------------------------------------------ state
     def build(self, var_list: Sequence[Any]) -> None:
@@ -152,15 +153,15 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
                         tf.constant(0.0, tf.float32), trainable=False, name="window_weight",
                         synchronization=_ON_READ, aggregation=tf.VariableAggregation.SUM,
                     )
-                    self._window_variables[:] = [self.mini_step, self.window_weight]
+                    self._window.blocks["window"] = [self.mini_step, self.window_weight]
             # Named as the plain inner optimizer names its variables.
             with tf.name_scope(self.inner_optimizer.name):
                 self.inner_optimizer.build(var_list)
         self._set_build_order(var_list)
         self._link_followers(var_list)
         compat.mark_built(self)
-        if self._deferred_state is not None:
-            state, self.__dict__["_deferred_state"] = self._deferred_state, None
+        state = self._window.take_deferred()
+        if state is not None:
             with tf.init_scope():
                 self.load_own_variables(state)
 
@@ -196,7 +197,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         ``window_weight`` (a ``CallableList``, as Keras 2 returns)."""
         return compat.callable_list(
             self._keras,
-            compat.own_variables(self) + list(self.inner_optimizer.variables) + list(self._window_variables),
+            compat.own_variables(self) + list(self.inner_optimizer.variables) + self._window.block_variables(),
         )
 
     def __dir__(self) -> list:
@@ -238,7 +239,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
                 "`optimizer.build(trainable_variables)` first."
             )
         weights = list(weights)
-        variables = _tf2.saved_layout(self.variables, [self._window_variables], weights)
+        variables = _tf2.saved_layout(self.variables, list(self._window.blocks.values()), weights)
         _tf2.assign_all(variables, weights, lambda v: v.name)
         self._forget_position(variables)
 
@@ -271,10 +272,10 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
             if model is not None:  # model.load_weights: built now, as its first train step would
                 _tf2.build_for_loading(model)
         if not self._window_built():  # called directly, with no model: restored when it builds
-            self.__dict__["_deferred_state"] = {k: np.asarray(store[k]) for k in store.keys()}
+            self._window.deferred = {k: np.asarray(store[k]) for k in store.keys()}
             return
         saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
-        variables = _tf2.saved_layout(self.variables, [self._window_variables], saved)
+        variables = _tf2.saved_layout(self.variables, list(self._window.blocks.values()), saved)
         if len(saved) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{self.name}': it has "
@@ -335,14 +336,14 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         if not grads_and_vars:
             return self.iterations
         grads, variables = zip(*grads_and_vars)
-        self.__dict__["_skip_aggregation"] = skip_gradients_aggregation or not aggregate
+        self._window.context["skip_aggregation"] = skip_gradients_aggregation or not aggregate
         with tf.name_scope(name or self.name):
             self._take_micro_step(grads, variables, weight)
         return self.iterations
 
     def _update_inner(self, grads: list, variables: list) -> Any:
         return self.inner_optimizer.apply_gradients(
-            zip(grads, variables), skip_gradients_aggregation=self._skip_aggregation
+            zip(grads, variables), skip_gradients_aggregation=self._window.context.get("skip_aggregation", False)
         )
 
     def _install_gates(self, gates: dict) -> Any:

@@ -170,11 +170,11 @@ class _FlushPartialWindow(_windows.FlushAtEpochEnd):
             opt.flush()
             return
         graph = opt.micro_steps.graph
-        cached = self.__dict__.get("_flush_op")
+        cached = getattr(self, "_flush_op", None)
         if cached is None or cached[0] is not opt or cached[1] is not graph:
             with graph.as_default():
                 cached = (opt, graph, opt.flush())
-            self.__dict__["_flush_op"] = cached
+            self._flush_op = cached
         self._keras.backend.batch_get_value([cached[2]])
 
 

@@ -17,16 +17,15 @@ order, gating, pass-through, flush) is
 from __future__ import annotations
 
 import itertools
-import threading
 import warnings
-import weakref
 from typing import Any, Iterable, Sequence
 
 import keras
 
-from accum_optimizer import _args, _compat, core, counting
+from accum_optimizer import _args, _compat, core
 from accum_optimizer._compat import keras3 as compat
 from accum_optimizer.families._accumulating import deserialize_schedule, serialize_schedule, variable_name
+from accum_optimizer.families import keras3_float8 as float8
 from accum_optimizer.families.keras3_jax import DeviceAccumulators
 from accum_optimizer.families.keras3_saving import Keras3Saving
 
@@ -222,22 +221,14 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         # The base class made its own `iterations` and `learning_rate`
         # variables (all it has tracked so far); ours forward to the inner
         # optimizer, so `variables` (and so the saved state) leaves them out.
-        self.__dict__["_unused_base_variables"] = tuple(super().variables)
+        self._window.left_out = tuple(super().variables)
         self.inner_optimizer = args.inner
         self.reduction = args.reduction
         self.nonfinite = args.nonfinite
         self.accumulator_dtype = args.accumulator_dtype
         self._remember_strategy()
-        self.__dict__.update(
-            _deferred_state=None,
-            # State of a LossScaleOptimizer outside, saved with this
-            # optimizer's (see `save_own_variables`), waiting for `build`.
-            _deferred_outer_state=None,
-            _outer_ref=None,
-            _nonfinite_variables=[],
-            _window_variables=[],
-            _tracker_variables=[],
-        )
+        # The optional trailing blocks of the saved layout (see `variables`).
+        self._window.blocks = {"nonfinite": [], "window": [], "trackers": []}
         self.skipped_micro_steps = self.skipped_windows = self.window_poisoned = None
         self.mini_step = self.window_weight = self.grad_received = None
         self.touched_rows = []
@@ -284,9 +275,9 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
                     if len(v.shape) else None
                     for v in var_list
                 ]
-                self.__dict__["_row_trackers"] = trackers
+                self._window.row_trackers = trackers
                 self.touched_rows = [t for t in trackers if t is not None]  # (tracked for checkpoints)
-                self.__dict__["_tracker_variables"] = list(self.touched_rows)
+                self._window.blocks["trackers"] = list(self.touched_rows)
             else:
                 self.acc_grads = []
             if self.nonfinite != "propagate":
@@ -295,7 +286,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
                     setattr(self, counter, self.add_variable(
                         shape=(), dtype="int", aggregation="only_first_replica", name=counter
                     ))
-                self.__dict__["_nonfinite_variables"] = [getattr(self, c) for c in counters]
+                self._window.blocks["nonfinite"] = [getattr(self, c) for c in counters]
             if self._accumulates:
                 # The window's position and count (saved after the inner
                 # optimizer's variables: state saved without them, by 0.1.0
@@ -307,14 +298,14 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
                     initializer=keras.initializers.Zeros(), shape=(), dtype="float32", trainable=False,
                     aggregation="sum", synchronization="on_read", name="window_weight",
                 ))
-                self.__dict__["_window_variables"] = [self.mini_step, self.window_weight]
+                self._window.blocks["window"] = [self.mini_step, self.window_weight]
         self.inner_optimizer.build(var_list)
         self._link_followers(var_list)
         self.built = True
         # `build` may run inside the first traced train step; restores must
         # happen now, not in a graph that tf.function may discard.
-        if self._deferred_state is not None:
-            state, self.__dict__["_deferred_state"] = self._deferred_state, None
+        state = self._window.take_deferred()
+        if state is not None:
             with self._outside_functions():
                 self.load_own_variables(state)
         self._attach_outer(compat.outer_loss_scale_optimizer(self))
@@ -373,13 +364,10 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         variable of rank >= 1): last, so that state saved without them (by
         ``"propagate"``, by 0.1.0, by versions before the window position or
         the trackers) is a prefix of the state saved with them."""
-        d = self.__dict__
-        left_out = {id(v) for v in itertools.chain(
-            d["_unused_base_variables"], d["_nonfinite_variables"], d["_window_variables"], d["_tracker_variables"]
-        )}
+        window = self._window
+        left_out = {id(v) for v in itertools.chain(window.left_out, window.block_variables())}
         own = [v for v in super().variables if id(v) not in left_out]
-        return (own + self.inner_optimizer.variables + d["_nonfinite_variables"] + d["_window_variables"]
-                + d["_tracker_variables"])
+        return own + self.inner_optimizer.variables + window.block_variables()
 
     def __dir__(self) -> list:
         return compat.hidden_from_saving_walk(super().__dir__())
@@ -413,58 +401,18 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         """
         return self._float8_scaled(self.inner_optimizer.scale_loss(loss))
 
+    # -- float8 state (accum_optimizer.families.keras3_float8)
     def _float8_scaled(self, loss: Any) -> Any:
-        """``loss`` divided by the window's N where :meth:`scale_loss` divides
-        (recorded for the next :meth:`apply`), else ``loss``."""
-        steps = self._float8_window_length()
-        if steps is None:
-            return loss
-        _LOSS_SCALED.record = (weakref.ref(self), counting._graph())
-        return keras.ops.divide(loss, keras.ops.cast(steps, loss.dtype))
-
-    def _float8_window_length(self) -> Any:
-        """N of the current window (int, or an int tensor under a schedule)
-        if :meth:`scale_loss` divides by it, else ``None``."""
-        if not (self.built and self._accumulates and self.reduction == "mean"):
-            return None
-        if not any(_overwritten(v) for v in self._build_order):
-            return None
-        return core.window_length(self._backend(), self._rules(), self._window_state())
-
-    def _take_loss_scale(self) -> Any:
-        """The N :meth:`scale_loss` divided this train step's loss by (same
-        thread and graph), taken once; else ``None``."""
-        record = getattr(_LOSS_SCALED, "record", None)
-        if record is None or record[0]() is not self or not any(record[1] is g for g in counting._graphs()):
-            return None
-        _LOSS_SCALED.record = None
-        return self._float8_window_length()
+        return float8.scaled(self, loss)
 
     def _combine(self) -> list | None:
-        """``"max"`` for the variables with ``overwrite_with_gradient=True``
-        (float8 scales and amax histories: the window's maximum is the large
-        batch's), if any; ``None`` otherwise."""
-        combine = ["max" if _overwritten(v) else "reduction" for v in self._build_order]
-        return combine if "max" in combine else None
+        return float8.combine(self._build_order)
 
     def _checked_gradients(self, grads: Sequence[Any], variables: list) -> list:
-        grads = super()._checked_gradients(grads, variables)
-        steps = self._take_loss_scale()
-        if steps is None:
-            return grads
-        b = self._backend()  # undo scale_loss's 1/N (float8 state is a value, not a gradient)
-        return [g if g is None or _overwritten(v) else b.scale(g, steps) for g, v in zip(grads, variables)]
+        return float8.unscaled(self, super()._checked_gradients(grads, variables), variables)
 
     def _apply_inner(self, window_grads: list, gates: dict) -> Any:
-        # Keras overwrites a float8 variable with its "gradient" outside
-        # update_step, past the gates: one without a value in the window is
-        # overwritten with its own.
-        window_grads = list(window_grads)
-        for i, gate in gates.items():
-            v = self._build_order[i]
-            if _overwritten(v):
-                window_grads[i] = keras.ops.where(gate, window_grads[i], v.value)
-        return super()._apply_inner(window_grads, gates)
+        return super()._apply_inner(float8.kept_values(window_grads, gates, self._build_order), gates)
 
     # What Keras' own code reads (or writes) on whatever optimizer it is given,
     # unwrapping `inner_optimizer` at most once (LossScaleOptimizer, the
@@ -590,9 +538,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         return cls(inner, **config)
 
 
-_LOSS_SCALED = threading.local()
-"""``record``: (the optimizer, the graph) of the last :meth:`AccumulatingOptimizer.scale_loss`
-that divided by N, until its ``apply`` takes it."""
+
 
 
 def _layout_beside(reference: Any, rank: int) -> Any:
@@ -616,9 +562,7 @@ def _layout_beside(reference: Any, rank: int) -> Any:
     return keras.distribution.TensorLayout(layout.axes[:rank], layout.device_mesh)
 
 
-def _overwritten(variable: Any) -> bool:
-    """Does Keras overwrite ``variable`` with its gradient (float8 state)?"""
-    return bool(getattr(variable, "overwrite_with_gradient", False))
+
 
 
 def _validate_accumulator_dtype(value: Any) -> str | None:

@@ -181,7 +181,7 @@ class DeviceAccumulators:
                 optimizer is already built without per-device accumulators.
         """
         axis, count, mesh = batch_axis("AccumulatingOptimizer.use_device_accumulators()")
-        current = self.__dict__.get("_device_accumulators")
+        current = self._window.context.get("device_accumulators")
         if current is not None and current[:2] == (axis, count):
             return
         if self.built:
@@ -191,7 +191,7 @@ class DeviceAccumulators:
                 "creating the optimizer, or compile a model with OneReductionPerWindow before its first "
                 "`fit`."
             )
-        self._set_untracked("_device_accumulators", (axis, count, mesh))
+        self._window.context["device_accumulators"] = (axis, count, mesh)
 
     def _accumulator(self, variable: Any) -> keras.Variable:
         """``variable``'s accumulator: of its shape and layout, or with
@@ -199,7 +199,7 @@ class DeviceAccumulators:
         sharded over the batch axis (one slice of the variable's size on
         each device)."""
         dtype = self._accumulator_dtype(variable)
-        devices = self.__dict__.get("_device_accumulators")
+        devices = self._window.context.get("device_accumulators")
         if devices is None:
             return self._replica_local(variable, "acc_grad", variable.shape, dtype)
         if getattr(variable, "overwrite_with_gradient", False):

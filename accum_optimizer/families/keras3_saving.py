@@ -36,7 +36,7 @@ class Keras3Saving:
     def outer_optimizer(self) -> Any:
         """The ``LossScaleOptimizer`` wrapped around this optimizer (found
         when it built this one), or ``None``."""
-        ref = self.__dict__.get("_outer_ref")
+        ref = self._window.context.get("outer")
         return None if ref is None else ref()
 
     def _attach_outer(self, outer: Any) -> None:
@@ -47,9 +47,9 @@ class Keras3Saving:
         policy, learn of the micro-steps it skips."""
         if outer is None:
             return
-        self.__dict__["_outer_ref"] = weakref.ref(outer)
-        if self._deferred_outer_state is not None:
-            state, self.__dict__["_deferred_outer_state"] = self._deferred_outer_state, None
+        self._window.context["outer"] = weakref.ref(outer)
+        state = self._window.take_deferred_outer()
+        if state is not None:
             with self._outside_functions():
                 self._load_outer_state(state)
         # (float8: its scale_loss divides by N, as this optimizer's own does)
@@ -144,12 +144,11 @@ class Keras3Saving:
             if model is not None:  # model.load_weights: built now, as its first train step would
                 self._build_for_loading(model)
         if not self.built:  # called directly, with no model: restored when it builds
-            self.__dict__["_deferred_state"] = {k: np.asarray(store[k]) for k in keys}
-            self._restore_counters(self._deferred_state)
+            self._window.deferred = {k: np.asarray(store[k]) for k in keys}
+            self._restore_counters(self._window.deferred)
             return
-        d = self.__dict__
-        blocks = [d["_nonfinite_variables"], d["_window_variables"], d["_tracker_variables"]]
-        variables = saved_layout(self.variables, blocks, [np.asarray(store[k]) for k in sorted(own_keys, key=int)])
+        blocks = self._window.blocks
+        variables = saved_layout(self.variables, list(blocks.values()), [np.asarray(store[k]) for k in sorted(own_keys, key=int)])
         if len(own_keys) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{self.name}': it has "
@@ -162,21 +161,21 @@ class Keras3Saving:
             )
         for i, variable in enumerate(variables):
             variable.assign(store[str(i)])
-        if d["_window_variables"] and not any(v is self.mini_step for v in variables):
+        if blocks["window"] and not any(v is self.mini_step for v in variables):
             # Saved before the window had its own position (0.2.0.dev0 and
             # older, no flush, no schedule): it was `micro_steps % N`.
             steps = self.gradient_accumulation_steps
             position = int(self.micro_steps.numpy()) % steps if isinstance(steps, int) else 0
             self.mini_step.assign(position)
             self.window_weight.assign(float(position))
-        if d["_tracker_variables"] and not any(variables[-1] is t for t in d["_tracker_variables"]):
+        if blocks["trackers"] and not any(variables[-1] is t for t in blocks["trackers"]):
             self._mark_rows_of_restored_accumulators()
         if outer_keys:
             outer_state = {k: np.asarray(store[k]) for k in outer_keys}
             if self.outer_optimizer is not None:
                 self._load_outer_state(outer_state)
             else:
-                self.__dict__["_deferred_outer_state"] = outer_state
+                self._window.deferred_outer = outer_state
 
     def _mark_rows_of_restored_accumulators(self) -> None:
         """State saved without row trackers (by a version before them): mark

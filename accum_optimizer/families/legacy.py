@@ -158,7 +158,9 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         self._keep_numerics(args)
         self.mini_step = self.window_weight = None
         self._remember_strategy()
-        self.__dict__.update(_window_weights=[], _aggregate=True, _legacy_key=compat.legacy_var_key(self._keras))
+        # The optional trailing block of the saved layout (see `weights`).
+        self._window.blocks = {"window": []}
+        self._window.context["key"] = compat.legacy_var_key(self._keras)
 
     # ------------------------------------------------------------------ state
     def build(self, var_list: Sequence[Any]) -> None:
@@ -211,10 +213,10 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
                     initializer=_unknown_position,
                 )
                 self.window_weight = self._replica_local("window_weight", [], tf.float32)
-                self._window_weights[:] = [self.mini_step, self.window_weight]
+                self._window.blocks["window"] = [self.mini_step, self.window_weight]
             compat.legacy_own_weights(self).extend(own)
             compat.legacy_create_all_weights(self.inner_optimizer, var_list)
-        self.__dict__["_row_trackers"] = list(self.touched_rows)
+        self._window.row_trackers = list(self.touched_rows)
         self._set_build_order(var_list)
         self._link_followers(var_list)
 
@@ -224,7 +226,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         return self._window_built()
 
     def _key_of(self, variable: Any) -> Any:
-        return self._legacy_key(variable)
+        return self._window.context["key"](variable)
 
     def _replica_local(self, name: str, shape: Any, dtype: Any) -> Any:
         return self.add_weight(
@@ -238,7 +240,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         """The wrapper's variables (``micro_steps``, ``grad_received``,
         accumulators, row trackers), the inner optimizer's, then
         ``mini_step`` and ``window_weight``."""
-        return compat.legacy_own_weights(self) + list(self.inner_optimizer.weights) + self._window_weights
+        return compat.legacy_own_weights(self) + list(self.inner_optimizer.weights) + self._window.block_variables()
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Assign ``weights`` (arrays in the order of :attr:`weights`), as
@@ -251,7 +253,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
             ValueError: the number or shapes of ``weights`` do not match.
         """
         weights = list(weights)
-        window = len(self._window_weights)
+        window = len(self._window.block_variables())
         if not window or len(weights) != len(self.weights) - window:
             super().set_weights(weights)
             return
@@ -282,13 +284,12 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         are shared, not copied. Eagerly only (as a variable's deep copy)."""
         result = type(self).__new__(type(self))
         memo[id(self)] = result
-        state = self.__dict__
-        shared = [*state.get("_build_order", ()), *state.get("_window_followers", ()),
-                  *(v for v in state.values() if isinstance(v, tf.distribute.Strategy))]
+        state, window = self.__dict__, self._window
+        shared = [*(window.build_order or ()), *window.followers, window.context.get("strategy")]
         for obj in shared:
             memo.setdefault(id(obj), obj)
-        if state.get("_flush_function") is not None:  # bound to this wrapper: the copy makes its own
-            memo.setdefault(id(state["_flush_function"]), None)
+        if window.context.get("flush_function") is not None:  # bound to this wrapper: the copy makes its own
+            memo.setdefault(id(window.context["flush_function"]), None)
         # Straight into the copy's __dict__: the tracking records are copied
         # with the rest, so nothing is tracked twice.
         result.__dict__.update({name: copy.deepcopy(value, memo) for name, value in state.items()})
@@ -343,13 +344,14 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         weight = self._micro_step_weight(weight)
         grads_and_vars = list(grads_and_vars)
         if decay_var_list is not None:
-            self._set_untracked("_inner_kwargs", {"decay_var_list": _decay_var_list(self.inner_optimizer, decay_var_list)})
-        elif self.__dict__.get("_inner_kwargs"):
-            self._set_untracked("_inner_kwargs", {})
+            self._window.context["inner_kwargs"] = {
+                "decay_var_list": _decay_var_list(self.inner_optimizer, decay_var_list)}
+        elif self._window.context.get("inner_kwargs"):
+            self._window.context["inner_kwargs"] = {}
         if not grads_and_vars:
             return None
         grads, variables = zip(*grads_and_vars)
-        self.__dict__["_aggregate"] = bool(experimental_aggregate_gradients)
+        self._window.context["aggregate"] = bool(experimental_aggregate_gradients)
         return self._take_micro_step(grads, variables, weight, name)
 
     @_tf2.unconverted
@@ -366,8 +368,8 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         return self.apply_gradients(grads_and_vars, name=name, weight=weight, decay_var_list=decay_var_list)
 
     def _update_inner(self, grads: list, variables: list) -> Any:
-        kwargs = dict(self.__dict__.get("_inner_kwargs") or {})
-        if not self._aggregate:
+        kwargs = dict(self._window.context.get("inner_kwargs") or {})
+        if not self._window.context.get("aggregate", True):
             kwargs["experimental_aggregate_gradients"] = False
         return self.inner_optimizer.apply_gradients(
             [(g, v) for g, v in zip(grads, variables) if g is not None], **kwargs

@@ -21,7 +21,7 @@ import tensorflow as tf
 from accum_optimizer import _args, core
 from accum_optimizer._compat import tf as compat
 from accum_optimizer.families import _tf1_graph as graph
-from accum_optimizer.families._tf import check_weight, control_inputs, validate_accumulator_dtype
+from accum_optimizer.families._tf import check_weight, validate_accumulator_dtype
 
 tf1 = tf.compat.v1
 
@@ -144,9 +144,9 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         self.reduction = args.reduction
         self.nonfinite = args.nonfinite
         self.accumulator_dtype = args.accumulator_dtype
-        self._windows: dict[Any, graph.Window] = {}
+        self._windows: dict[Any, graph.GraphWindow] = {}
 
-    def _window(self) -> graph.Window | None:
+    def _graph_window(self) -> graph.GraphWindow | None:
         """This wrapper's window in the current graph (``None`` before it is built there)."""
         return self._windows.get(graph.graph_key())
 
@@ -160,7 +160,7 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         """int64 scalar variable: micro-steps taken in the current graph (or
         eagerly), i.e. runs of this optimizer's ops. ``None`` before the
         optimizer is built there."""
-        window = self._window()
+        window = self._graph_window()
         return None if window is None else window.micro_steps
 
     # ------------------------------------------------------------------ state
@@ -188,30 +188,16 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
                 ``sparse_var_list`` is not a subset of it, or the optimizer
                 is already built in this graph for other variables.
         """
-        var_list = graph.check_variables(var_list, "var_list")
-        sparse = graph.check_variables(sparse_var_list, "sparse_var_list")
-        if not var_list:
-            raise ValueError("`var_list` must not be empty. Received: var_list=[].")
-        refs = {v.ref() for v in var_list}
-        if len(refs) != len(var_list):
-            raise ValueError(
-                "`var_list` lists a variable more than once: "
-                f"{[v.name for v in var_list]}."
-            )
-        outside = [v.name for v in sparse if v.ref() not in refs]
-        if outside:
-            raise ValueError(
-                f"`sparse_var_list` must be a subset of `var_list`; not in var_list: {outside}."
-            )
-        window = self._window()
+        var_list, sparse = graph.check_build_arguments(var_list, sparse_var_list)
+        window = self._graph_window()
         if window is not None:
-            unknown = [v.name for v in var_list if v.ref() not in window.index]
+            unknown = [v.name for v in window.unknown(var_list)]
             if unknown:
                 raise ValueError(graph.unknown_message(self.get_name(), unknown, window))
             return
         self._build(var_list, {v.ref() for v in sparse})
 
-    def _build(self, var_list: list, sparse_refs: set) -> graph.Window:
+    def _build(self, var_list: list, sparse_refs: set) -> graph.GraphWindow:
         steps = self.gradient_accumulation_steps
         with tf.init_scope():
             key = graph.graph_key()
@@ -220,50 +206,20 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
                 micro_steps = self._own_variable("micro_steps", tf.zeros([], tf.int64), first)
             state = None
             if _args.accumulates(steps, self.nonfinite):
-                with tf.name_scope(f"{self.get_name()}/"):
-                    received = self._own_variable(
-                        "grad_received", tf.zeros([len(var_list)], tf.int64), first
-                    )
-                accs, trackers = [], []
-                for i, v in enumerate(var_list):
-                    dtype = _args.accumulator_dtype_for(v.dtype.base_dtype.name, self.accumulator_dtype, widen=False)
-                    with tf.name_scope(f"{graph.op_name(v)}/{self.get_name()}/"):
-                        accs.append(self._own_variable("acc_grad", tf.zeros(v.shape, dtype), v, slot=("acc_grad", i)))
-                        tracker = None
-                        if v.ref() in sparse_refs and v.shape.rank:
-                            tracker = self._own_variable(
-                                "touched_rows", tf.zeros(v.shape[:1], tf.int8), v, slot=("touched_rows", i)
-                            )
-                        trackers.append(tracker)
-                # The window's position (0, a fresh state's; state restored
-                # from a checkpoint saved without it resumes at
-                # `micro_steps % N`, see `core.resume_position`) and count.
-                with tf.name_scope(f"{self.get_name()}/"):
-                    mini_step = self._own_variable("mini_step", tf.zeros([], tf.int64), first)
-                    window_weight = self._own_variable("window_weight", tf.zeros([], tf.float32), first)
-                    # The skip counters (a skipping policy) and, for a
-                    # schedule, the updates taken (what picks the window's
-                    # N: TF1 optimizers count no updates of their own).
-                    extra = {
-                        name: self._own_variable(name, tf.zeros([], tf.int64), first)
-                        for name in dict.fromkeys(core.skip_counters(self.nonfinite) + self._rules().needs())
-                    }
-                state = core.WindowState(
-                    accs, micro_steps, received, mini_step, window_weight,
-                    touched_rows=trackers if any(t is not None for t in trackers) else None,
-                    variable_dtypes=[v.dtype.base_dtype for v in var_list], **extra,
+                # The skip counters (a skipping policy) and, for a schedule,
+                # the updates taken (what picks the window's N: TF1
+                # optimizers count no updates of their own).
+                extra = list(dict.fromkeys(core.skip_counters(self.nonfinite) + self._rules().needs()))
+                state = graph.make_state(
+                    self._own_variable, self.get_name(), var_list, sparse_refs, micro_steps, extra,
+                    lambda v: _args.accumulator_dtype_for(v.dtype.base_dtype.name, self.accumulator_dtype, widen=False),
                 )
                 # The slots the inner optimizer's `apply_gradients` would
                 # create (it does so under `init_scope` too), made now: in
                 # eager mode the update's `tf.cond` runs only on updates, and
                 # slot names must not depend on where they are first made.
                 compat.tf1_create_slots(self._inner, var_list)
-        window = graph.Window(
-            variables=list(var_list),
-            index={v.ref(): i for i, v in enumerate(var_list)},
-            state=state,
-            micro_steps=micro_steps,
-        )
+        window = graph.GraphWindow(self._inner, list(var_list), state, micro_steps)
         self._windows[key] = window
         return window
 
@@ -289,7 +245,7 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         position) in the current graph, 0 in a fresh state. ``None`` before
         the optimizer is built there, or for
         ``gradient_accumulation_steps == 1``."""
-        window = self._window()
+        window = self._graph_window()
         return None if window is None or window.state is None else window.state.mini_step
 
     skipped_micro_steps = graph.state_property("skipped_micro_steps", "non-finite micro-steps dropped")
@@ -301,7 +257,7 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         """float32 scalar variable: the current window's count ``Σ cᵢ`` (the
         ``weight`` of each micro-step, 1 without one). ``None`` as for
         :attr:`mini_step`."""
-        window = self._window()
+        window = self._graph_window()
         return None if window is None or window.state is None else window.state.window_weight
 
     def variables(self) -> list:
@@ -316,7 +272,7 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         and ``window_weight``. A checkpoint
         written without accumulation lacks exactly these (see
         :meth:`non_accumulation_variables`)."""
-        window = self._window()
+        window = self._graph_window()
         return [] if window is None else window.own_variables()
 
     def non_optimizer_variables(self) -> list:
@@ -351,33 +307,18 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         dependencies and the inner optimizer's slots once, by the inner
         optimizer.)"""
         if name in ("acc_grad", "touched_rows"):
-            window = self._window()
-            if window is None or window.state is None or var.ref() not in window.index:
+            window = self._graph_window()
+            if window is None or window.state is None or window.unknown([var]):
                 return None
-            i = window.index[var.ref()]
+            i = window.index_of(var)
             return window.state.acc_grads[i] if name == "acc_grad" else window.state.rows_tracker(i)
         return super().get_slot(var, name)
 
     def _checkpoint_children(self, children: dict) -> dict:
         """What ``tf.train.Checkpoint`` (eager) saves of this optimizer: the
         inner optimizer and this graph's state, by position in build order."""
-        children = dict(children)
-        children["inner_optimizer"] = self._inner
-        window = self._window()
-        if window is not None:
-            children["micro_steps"] = window.micro_steps
-            if window.state is not None:
-                children["grad_received"] = window.state.grad_received
-                for i, acc in enumerate(window.state.acc_grads):
-                    children[f"acc_grad_{i}"] = acc
-                    tracker = window.state.rows_tracker(i)
-                    if tracker is not None:
-                        children[f"touched_rows_{i}"] = tracker
-                children["mini_step"] = window.state.mini_step
-                children["window_weight"] = window.state.window_weight
-                for name, variable in window.extra_variables().items():
-                    children[name] = variable
-        return children
+        window = self._graph_window()
+        return {**children, "inner_optimizer": self._inner, **(window.children() if window is not None else {})}
 
     # ------------------------------------------------------------ micro-step
     def compute_gradients(self, loss: Any, var_list: Any = None, **kwargs: Any) -> list:
@@ -461,48 +402,29 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         if not _args.accumulates(self.gradient_accumulation_steps, self.nonfinite):
             return self._pass_through(pairs, global_step, name, weight)
 
-        window = self._window()
+        window = self._graph_window()
         if window is None:
             window = self._build(
                 [v for _, v in with_grad],
                 {v.ref() for g, v in with_grad if isinstance(g, tf.IndexedSlices)},
             )
-        unknown = [v.name for _, v in with_grad if v.ref() not in window.index]
+        unknown = [v.name for v in window.unknown([v for _, v in with_grad])]
         if unknown:
             raise ValueError(graph.unknown_message(self.get_name(), unknown, window))
         if window.global_step is None:
             window.global_step = global_step
         # Build order; variables without a gradient here get None.
-        grads = [None] * len(window.variables)
-        for g, v in with_grad:
-            grads[window.index[v.ref()]] = g
-
-        graph_mode = not tf.executing_eagerly()
-        train_ops = graph.collection_snapshot() if graph_mode else None
-        backend = graph.TF1Backend(self._inner_update(window, global_step))
-        rules = self._rules()
-        with tf1.name_scope(name, self.get_name()) as scope:
-            # The micro-step's first writes wait for the position (an
-            # explicit order: graph ops are not ordered by themselves).
-            with backend.after(grads):
-                resumed = core.resume_position(backend, window.state, rules)
-            with backend.after(resumed):
-                out = core.micro_step(backend, window.state, rules, grads, weight=weight)
-            if not graph_mode:
-                return None
-            train_op = tf.group(*backend.made, *control_inputs(out), name=scope)
-        # The inner `apply_gradients` registered its update op, inside the
-        # update branch, in TRAIN_OP (control flow v1 builds branches in this
-        # graph); the op to run is ours.
-        graph.collection_restore(train_ops, train_op)
-        return train_op
+        grads = window.in_build_order(*zip(*with_grad))
+        with graph.train_op(name, self.get_name(), self._inner_update(window, global_step)) as step:
+            step.parts = window.micro_step(step.backend, window.state, self._rules(), grads, weight=weight)
+        return step.op
 
     def _rules(self) -> core.Rules:
         return core.Rules(self.gradient_accumulation_steps, self.reduction, self.nonfinite)
 
-    def _inner_update(self, window: graph.Window, global_step: Any) -> Any:
+    def _inner_update(self, window: graph.GraphWindow, global_step: Any) -> Any:
         def apply_inner(window_grads: list, gates: dict) -> Any:
-            with graph.gated(self._inner, gates, window.variables):
+            with window.gated(gates):
                 applied = self._inner.apply_gradients(
                     list(zip(window_grads, window.variables)), global_step=global_step
                 )
@@ -542,7 +464,7 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
             ValueError: the optimizer is not built in this graph (no train op
                 yet), or ``gradient_accumulation_steps == 1`` (no windows).
         """
-        window = self._window()
+        window = self._graph_window()
         if window is None or window.state is None:
             raise ValueError(
                 "flush() needs an AccumulatingOptimizer built in this graph with "
@@ -552,28 +474,18 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
             )
         if global_step is None:
             global_step = window.global_step
-        graph_mode = not tf.executing_eagerly()
-        train_ops = graph.collection_snapshot() if graph_mode else None
-        backend = graph.TF1Backend(self._inner_update(window, global_step))
-        with tf1.name_scope(name, f"{self.get_name()}_flush") as scope:
-            resumed = core.resume_position(backend, window.state, self._rules())
-            with backend.after(resumed):
-                out = core.flush(backend, window.state, self._rules())
-            if not graph_mode:
-                return None
-            op = tf.group(*backend.made, *control_inputs(out), name=scope)
-        # (Not a train op: the inner update registered itself in TRAIN_OP.)
-        tf1.get_collection_ref(tf1.GraphKeys.TRAIN_OP)[:] = train_ops
-        return op
+        # (Not a train op: registered nowhere.)
+        apply_inner = self._inner_update(window, global_step)
+        with graph.train_op(name, f"{self.get_name()}_flush", apply_inner, register=False) as step:
+            step.parts = window.flush(step.backend, window.state, self._rules())
+        return step.op
 
     def _pass_through(self, pairs: list, global_step: Any, name: str | None, weight: Any = None) -> Any:
         """``gradient_accumulation_steps == 1``: the inner optimizer's update
         and ``micro_steps += 1`` (:func:`accum_optimizer.core.pass_through`)."""
-        window = self._window()
+        window = self._graph_window()
         if window is None:
             window = self._build([v for g, v in pairs if g is not None], set())
-        graph_mode = not tf.executing_eagerly()
-        train_ops = graph.collection_snapshot() if graph_mode else None
         variables = [v for _, v in pairs]
         if weight is not None:
             with tf.init_scope():
@@ -583,13 +495,8 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         def update(grads: list) -> Any:
             return self._inner.apply_gradients(list(zip(grads, variables)), global_step=global_step, name=name)
 
-        backend = graph.TF1Backend()
-        done = core.pass_through(
-            backend, window.micro_steps, [g for g, _ in pairs], update, self.reduction, weight
-        )
-        if not graph_mode:
-            return done[0]
-        with tf1.name_scope(name, self.get_name()) as scope:
-            train_op = tf.group(*control_inputs(done), name=scope)
-        graph.collection_restore(train_ops, train_op)
-        return train_op
+        with graph.train_op(name, self.get_name()) as step:
+            step.parts = core.pass_through(
+                step.backend, window.micro_steps, [g for g, _ in pairs], update, self.reduction, weight
+            )
+        return step.op if step.op is not None else step.parts[0]
