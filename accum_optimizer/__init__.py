@@ -131,14 +131,14 @@ def __getattr__(name: str) -> Any:
 
         kind, package = active_keras()
         if kind == "keras3":
-            from accum_optimizer.families import keras3_windows
+            from accum_optimizer.families import keras3_fit
 
-            return getattr(keras3_windows, name)
-        from accum_optimizer.families import keras2_windows
+            return getattr(keras3_fit, name)
+        from accum_optimizer.families import keras2_fit
 
         if name == "CountedLoss":
-            return keras2_windows.counted_loss_class(package)
-        return keras2_windows.flush_partial_window_class(package)
+            return keras2_fit.counted_loss_class(package)
+        return keras2_fit.flush_partial_window_class(package)
     if name in ("OneReductionPerWindow", "device_value_and_grad"):  # Keras 3 on JAX
         from accum_optimizer.families import keras3_jax  # (importable with any Keras; refuses at use)
 

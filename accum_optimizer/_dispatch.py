@@ -147,9 +147,9 @@ def register_active_families() -> None:
             family.wrapper()
     if "keras3" in wanted:
         # CountedLoss, registered for load_model of a model compiled with it.
-        importlib.import_module("accum_optimizer.families.keras3_windows")
+        importlib.import_module("accum_optimizer.families.keras3_fit")
         # accum_optimizer.layers.BatchNormalization, for load_model.
         importlib.import_module("accum_optimizer.layers._keras3")
     if kind == "keras2":
-        importlib.import_module("accum_optimizer.families.keras2_windows").counted_loss_class(package)
+        importlib.import_module("accum_optimizer.families.keras2_fit").counted_loss_class(package)
         importlib.import_module("accum_optimizer.layers._keras2").batch_normalization_class(package)

@@ -123,3 +123,28 @@ def version(package: str) -> str:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+_PER_PACKAGE: dict[tuple[str, str], type] = {}
+
+
+def per_package_class(kind: str, package: Any, make: Any, registered_name: str | None = None) -> type:
+    """The class ``kind`` for one Keras 2 package (``keras`` 2.x or
+    ``tf_keras``): ``make(package)``, once per package (cached), and where
+    ``registered_name`` is given registered with that package's
+    ``register_keras_serializable(package="accum_optimizer", name=registered_name)``
+    (what ``"accum_optimizer>..."`` in a saved config finds). Each Keras 2
+    package has its own base classes, so each gets its own subclass."""
+    key = (kind, package.__name__)
+    cls = _PER_PACKAGE.get(key)
+    if cls is None:
+        cls = make(package)
+        if registered_name is not None:
+            cls = package.utils.register_keras_serializable(package="accum_optimizer", name=registered_name)(cls)
+        _PER_PACKAGE[key] = cls
+    return cls
+
+
+def per_package_classes(kind: str) -> tuple:
+    """The classes :func:`per_package_class` made for ``kind`` so far."""
+    return tuple(cls for (k, _), cls in _PER_PACKAGE.items() if k == kind)

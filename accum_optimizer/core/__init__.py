@@ -9,7 +9,7 @@
   :func:`resume_position`, :func:`window_length`.
 
 Nothing here imports a framework: a new family or backend supplies a
-:class:`Backend` (``accum_optimizer/families/_tf.py`` is TensorFlow's).
+:class:`Backend` (``accum_optimizer/families/_tf_backend.py`` is TensorFlow's).
 """
 
 from accum_optimizer.core.state import (

@@ -9,7 +9,7 @@
 * :class:`Replicas`: how the algorithm reaches the replicas of a
   ``tf.distribute`` strategy (a single device: one replica, called here).
 * :class:`Backend`: the operations the algorithm performs, in a framework's
-  terms. A family supplies one (``accum_optimizer/families/_tf.py`` has
+  terms. A family supplies one (``accum_optimizer/families/_tf_backend.py`` has
   TensorFlow's; each family adapts how it writes variables and calls its
   inner optimizer).
 

@@ -12,8 +12,8 @@ instance of that family's optimizer base class.
   (``tf.compat.v1.train.Optimizer``, with ``Session``, ``global_step``,
   ``Saver``).
 
-What they share, once: :mod:`~accum_optimizer.families._tf` (the core's
-backend in TensorFlow), :mod:`~accum_optimizer.families._tf2` (the three
+What they share, once: :mod:`~accum_optimizer.families._tf_backend` (the core's
+backend in TensorFlow), :mod:`~accum_optimizer.families._tf_route` (the three
 ``tf.function`` families), :mod:`~accum_optimizer.families._keras2` (the two
 Keras 2 families), :mod:`~accum_optimizer.families._tf1_graph` (TF1 graph
 plumbing).

@@ -2,19 +2,19 @@
 Keras 3 (on TensorFlow, JAX or torch), the Keras 2 new optimizer API, and
 legacy ``OptimizerV2``/tensorflow-addons.
 
-:class:`Accumulating` is a mixin placed before the family's optimizer base
+:class:`AccumulatingBase` is a mixin placed before the family's optimizer base
 class (the way tensorflow-addons' ``AveragedOptimizerWrapper`` overrides its
 own hooks and delegates). It holds, once: the window's state record and
 rules, the build order of the variables, the trace-time choice of the
-window's normaliser (:meth:`Accumulating._weighted`), the micro-step's
+window's normaliser (:meth:`AccumulatingBase._weighted`), the micro-step's
 checks and its route to the pass-through (N = 1) or the window, per-variable
 gating of the inner update with one lock for all replicas
 (:meth:`accum_optimizer.families._window.Window.gated`), the flush of a partial window.
 
 A *route* subclass supplies what depends on the framework:
-:mod:`accum_optimizer.families._tf2` (TensorFlow: ``tf.function``,
+:mod:`accum_optimizer.families._tf_route` (TensorFlow: ``tf.function``,
 ``tf.distribute``, ``tf.compat.v1`` graphs) and
-:mod:`accum_optimizer.families._keras_ops` (Keras 3 on JAX and torch:
+:mod:`accum_optimizer.families._keras_ops_route` (Keras 3 on JAX and torch:
 ``keras.ops``, ``stateless_apply``). A family supplies: its variables
 (``build``), the one call of its inner optimizer (``_update_inner``), its
 gate patches (``_install_gates``), its saving. The algorithm is
@@ -69,7 +69,7 @@ def no_gradients(grads: Sequence[Any], variables: Sequence[Any], name_of: Callab
 
 
 
-class Accumulating(_args.Constructor):
+class AccumulatingBase(_args.Constructor):
     """The shared part of the Keras 3 (any backend), Keras 2 and legacy wrappers.
 
     Attributes it reads, set by the family: ``inner_optimizer``,

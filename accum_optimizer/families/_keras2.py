@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from accum_optimizer import _args, _compat, core
+from accum_optimizer import _args, _compat, _packages, core
 from accum_optimizer._packages import active_keras, keras2_packages
-from accum_optimizer.families._tf import validate_accumulator_dtype
+from accum_optimizer.families._tf_backend import validate_accumulator_dtype
 
 
 def package_of(optimizer: Any, base_of: Callable[[Any], Any]) -> Any:
@@ -176,19 +176,15 @@ def wrapper_classes(
     one class per package (cached). ``wrapper_class.made()``: the classes
     made so far (what ``isinstance(x, accum_optimizer.AccumulatingOptimizer)``
     checks)."""
-    cache: dict[str, type] = {}
+    def make(package: Any) -> type:
+        return type("AccumulatingOptimizer", (*mixins, base_of(package)), {
+            "__module__": module, "__qualname__": "AccumulatingOptimizer", "__doc__": doc,
+            "_keras": package, "_wrapper_class": staticmethod(wrapper_class),
+            "_base_of": staticmethod(base_of),
+        })
 
     def wrapper_class(package: Any) -> type:
-        cls = cache.get(package.__name__)
-        if cls is None:
-            cls = type("AccumulatingOptimizer", (*mixins, base_of(package)), {
-                "__module__": module, "__qualname__": "AccumulatingOptimizer", "__doc__": doc,
-                "_keras": package, "_wrapper_class": staticmethod(wrapper_class),
-                "_base_of": staticmethod(base_of),
-            })
-            register = package.utils.register_keras_serializable(package="accum_optimizer", name=registered_name)
-            cls = cache[package.__name__] = register(cls)
-        return cls
+        return _packages.per_package_class(registered_name, package, make, registered_name)
 
-    wrapper_class.made = lambda: tuple(cache.values())  # type: ignore[attr-defined]
+    wrapper_class.made = lambda: _packages.per_package_classes(registered_name)  # type: ignore[attr-defined]
     return wrapper_class

@@ -1,7 +1,5 @@
 """TF1 graph plumbing for the TF1 family (:mod:`~accum_optimizer.families.tf1`).
 
-* :class:`TF1Backend`: the core's backend for graphs built by hand, whose
-  assignments return the ops the algorithm orders explicitly.
 * :class:`GraphWindow`: one wrapper's window in one graph (a wrapper used
   in several graphs, or eagerly, has one per graph): the shared
   :class:`~accum_optimizer.families._window.Window` (build order, gating)
@@ -21,7 +19,7 @@ import tensorflow as tf
 from accum_optimizer import core
 from accum_optimizer._compat import tf as compat
 from accum_optimizer.families import _window
-from accum_optimizer.families._tf import TFBackend, check_gradient_shapes, control_inputs
+from accum_optimizer.families._tf_backend import TF1Backend, check_gradient_shapes, control_inputs
 
 tf1 = tf.compat.v1
 
@@ -77,51 +75,6 @@ class GraphWindow(_window.Window):
             return {}
         names = ("skipped_micro_steps", "skipped_windows", "window_poisoned", "updates")
         return {n: getattr(self.state, n) for n in names if getattr(self.state, n) is not None}
-
-
-class TF1Backend(TFBackend):
-    """The core's backend for TF1: every assignment returns its op (``None``
-    eagerly) so that the algorithm can order them with control
-    dependencies; ``cond`` is ``tf.cond`` with branches returning grouped
-    ops. ``made`` collects the ops made outside any ``cond`` (grouped into
-    the train op)."""
-
-    def __init__(self, apply_inner: Any = None) -> None:
-        super().__init__(apply_inner)
-        self.made: list = []
-        self._depth = 0
-
-    def _record(self, op: Any) -> Any:
-        if tf.executing_eagerly():
-            return None
-        op = op.op if not isinstance(op, tf.Operation) else op
-        if self._depth == 0:
-            self.made.append(op)
-        return op
-
-    def assign(self, variable: Any, value: Any) -> Any:
-        return self._record(variable.assign(value, read_value=False))
-
-    def assign_add(self, variable: Any, value: Any) -> Any:
-        if isinstance(value, tf.IndexedSlices):
-            return self._record(tf1.scatter_add(variable, value.indices, value.values))
-        return self._record(variable.assign_add(value, read_value=False))
-
-    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
-        return self._record(tf1.scatter_update(variable, indices, updates))
-
-    def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> Any:
-        def branch(fn):
-            def run():
-                self._depth += 1
-                try:
-                    return tf.group(*control_inputs(fn()))
-                finally:
-                    self._depth -= 1
-
-            return run
-
-        return tf.cond(pred, branch(true_fn), branch(false_fn))
 
 
 def make_state(make: Callable[..., Any], name: str, var_list: list, sparse_refs: set, micro_steps: Any,

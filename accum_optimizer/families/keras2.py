@@ -13,7 +13,7 @@ package: :func:`wrapper_class` builds one class per package
 ``"accum_optimizer>AccumulatingOptimizer"``. The module-level
 :data:`AccumulatingOptimizer` is the class of the active ``tf.keras`` when
 that is Keras 2, else of the imported ``tf_keras``. What it shares with the
-other ``tf.function`` families is :mod:`~accum_optimizer.families._tf2`.
+other ``tf.function`` families is :mod:`~accum_optimizer.families._tf_route`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from accum_optimizer import _args, core
 from accum_optimizer._compat import keras2 as compat
-from accum_optimizer.families import _keras2, _tf2
+from accum_optimizer.families import _accumulating, _keras2, _tf_route
 
 # `weight_decay` defaults to 0 in Keras 2's `Optimizer`, to None in its subclasses.
 _INNER_ONLY_ARGS = {
@@ -42,7 +42,7 @@ def _base_of(package: Any) -> Any:
     return package.optimizers.Optimizer
 
 
-class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Accumulating):
+class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf_route.TFRoute):
     """Accumulate gradients over micro-batches, update once per window (Keras 2).
 
     Each call to :meth:`apply_gradients` (or ``minimize``, which ``fit``
@@ -181,7 +181,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         summed on read) zero-initialised variable of its shape, in the
         accumulator dtype (float32 for a 16-bit variable by default)."""
         dtype = self._accumulator_dtype(reference)
-        with _tf2.colocated_with(self, reference):
+        with _tf_route.colocated_with(self, reference):
             variable = tf.Variable(
                 tf.zeros(reference.shape, dtype), trainable=False,
                 name=f"acc_grad/{reference.name.split(':')[0]}",
@@ -239,8 +239,8 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
                 "`optimizer.build(trainable_variables)` first."
             )
         weights = list(weights)
-        variables = _tf2.saved_layout(self.variables, list(self._window.blocks.values()), weights)
-        _tf2.assign_all(variables, weights, lambda v: v.name)
+        variables = _accumulating.saved_layout(self.variables, list(self._window.blocks.values()), weights)
+        _accumulating.assign_all(variables, weights, lambda v: v.name)
         self._forget_position(variables)
 
     def _forget_position(self, restored: Sequence[Any]) -> None:
@@ -270,12 +270,12 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         if not self._window_built():
             model = compat.model_being_loaded(self, self._keras)
             if model is not None:  # model.load_weights: built now, as its first train step would
-                _tf2.build_for_loading(model)
+                _tf_route.build_for_loading(model)
         if not self._window_built():  # called directly, with no model: restored when it builds
             self._window.deferred = {k: np.asarray(store[k]) for k in store.keys()}
             return
         saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
-        variables = _tf2.saved_layout(self.variables, list(self._window.blocks.values()), saved)
+        variables = _accumulating.saved_layout(self.variables, list(self._window.blocks.values()), saved)
         if len(saved) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{self.name}': it has "
@@ -288,7 +288,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         self._forget_position(variables)
 
     # ------------------------------------------------------------ micro-step
-    @_tf2.unconverted
+    @_tf_route.unconverted
     def apply_gradients(
         self,
         grads_and_vars: Iterable[tuple[Any, Any]],
@@ -354,7 +354,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         return {
             "name": self.name,
             "inner_optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
-            "gradient_accumulation_steps": _tf2.serialize_schedule(self._keras, self.gradient_accumulation_steps),
+            "gradient_accumulation_steps": _accumulating.serialize_schedule(self._keras, self.gradient_accumulation_steps),
             "reduction": self.reduction,
             **self._numerics_config(),
             # Keras 2's `optimizers.deserialize` reads this to choose between
@@ -368,7 +368,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf2.Acc
         inner = config.pop("inner_optimizer")
         if isinstance(inner, dict):
             inner = _deserialize(cls._keras, inner, custom_objects)
-        config = _tf2.deserialize_schedule(cls._keras, config, custom_objects)
+        config = _accumulating.deserialize_schedule(cls._keras, config, custom_objects)
         return cls(inner, **config)
 
 

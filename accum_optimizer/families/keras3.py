@@ -8,8 +8,8 @@ variables plus the inner optimizer's, forwarding ``learning_rate``,
 order, gating, pass-through, flush) is
 :mod:`accum_optimizer.families._accumulating`; its route on TensorFlow (the
 ``tf.distribute`` route, ``tf.function``) is
-:mod:`accum_optimizer.families._tf2`, on JAX and torch (``keras.ops``,
-``stateless_apply``) :mod:`accum_optimizer.families._keras_ops`; the algorithm is
+:mod:`accum_optimizer.families._tf_route`, on JAX and torch (``keras.ops``,
+``stateless_apply``) :mod:`accum_optimizer.families._keras_ops_route`; the algorithm is
 :mod:`accum_optimizer.core`; Keras' private symbols are
 :mod:`accum_optimizer._compat.keras3`.
 """
@@ -36,16 +36,16 @@ BACKENDS = ("tensorflow", "jax", "torch")
 """The Keras backends the wrapper runs on."""
 
 if keras.backend.backend() == "tensorflow":
-    from accum_optimizer.families import _tf2 as _route
+    from accum_optimizer.families import _tf_route as _route
 else:  # (another backend is refused when a wrapper is made: _check_environment)
-    from accum_optimizer.families import _keras_ops as _route
+    from accum_optimizer.families import _keras_ops_route as _route
 
 _INNER_ONLY_ARGS = {**_args.KERAS_OPTIMIZER_ARGUMENTS, "loss_scale_factor": None}
 
 
 @keras.saving.register_keras_serializable(package="accum_optimizer")
 class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3Saving, DeviceAccumulators,
-                            _route.Accumulating, keras.optimizers.Optimizer):
+                            _route.Route, keras.optimizers.Optimizer):
     """Accumulate gradients over micro-batches, update once per window.
 
     Each call to :meth:`apply` / :meth:`apply_gradients` is one *micro-step*:
@@ -187,7 +187,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
     ``stateless_apply(optimizer_variables, grads, trainable_variables,
     weight=None)`` and ``stateless_flush(optimizer_variables,
     trainable_variables)`` for ``jax.jit`` loops
-    (:class:`accum_optimizer.families._keras_ops.Accumulating`); the
+    (:class:`accum_optimizer.families._keras_ops_route.KerasOpsRoute`); the
     ``tf.distribute`` behaviour and sparse (``tf.IndexedSlices``) windows
     above are TensorFlow's.
     """
@@ -507,7 +507,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
 
     def _build_on_first_use(self, variables: list) -> None:
         # (On TensorFlow the route builds outside the function being traced:
-        # see `_tf2.Accumulating._build_on_first_use`.)
+        # see `_tf_route.TFRoute._build_on_first_use`.)
         with keras.name_scope(self.name, caller=self):
             super()._build_on_first_use(variables)
 

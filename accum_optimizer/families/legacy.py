@@ -16,7 +16,7 @@ the per-variable hooks, so a hook-level wrapper would do all that every
 micro-step and count micro-steps. Overriding ``apply_gradients`` keeps it in
 the inner optimizer's own ``apply_gradients``, called once per update (in
 each replica, with that replica's window gradient), through the route the
-three ``tf.function`` families share (:mod:`~accum_optimizer.families._tf2`).
+three ``tf.function`` families share (:mod:`~accum_optimizer.families._tf_route`).
 The wrapper's own per-variable hooks refuse to run: a tfa wrapper *around*
 this one (``Lookahead(AccumulatingOptimizer(...))``) would drive them every
 micro-step, so it gets a clear error before any weight moves.
@@ -33,7 +33,7 @@ import tensorflow as tf
 from accum_optimizer import _args, core
 from accum_optimizer._compat import keras2 as compat
 from accum_optimizer._compat import tf as tf_compat
-from accum_optimizer.families import _keras2, _tf2
+from accum_optimizer.families import _accumulating, _keras2, _tf_route
 
 # Arguments of `OptimizerV2.__init__` (and of common subclasses) that belong on
 # the inner optimizer, with their defaults (accepted when equal to the
@@ -65,7 +65,7 @@ def package_of(optimizer: Any) -> Any:
     return _keras2.package_of(optimizer, _base_of)
 
 
-class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerPackage, _tf2.Accumulating):
+class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerPackage, _tf_route.TFRoute):
     """Accumulate gradients over micro-batches, update once per window
     (Keras 2 legacy ``OptimizerV2`` and tensorflow-addons).
 
@@ -187,7 +187,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
                 )
                 own.append(self.grad_received)
                 for i, v in enumerate(var_list):
-                    with _tf2.colocated_with(self, v):
+                    with _tf_route.colocated_with(self, v):
                         self.acc_grads.append(
                             self._replica_local(f"acc_grad_{i}", v.shape, tf.as_dtype(self._accumulator_dtype(v)))
                         )
@@ -257,7 +257,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         if not window or len(weights) != len(self.weights) - window:
             super().set_weights(weights)
             return
-        _tf2.assign_all(self.weights[: len(weights)], weights, lambda v: v.name)
+        _accumulating.assign_all(self.weights[: len(weights)], weights, lambda v: v.name)
         self.mini_step.assign(core.UNKNOWN_POSITION)
         self.window_weight.assign(0.0)
 
@@ -296,7 +296,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         return result
 
     # ------------------------------------------------------------ micro-step
-    @_tf2.unconverted
+    @_tf_route.unconverted
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], name: str | None = None,
                         experimental_aggregate_gradients: bool = True, weight: Any = None,
                         decay_var_list: Sequence[Any] | None = None) -> Any:
@@ -354,7 +354,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         self._window.context["aggregate"] = bool(experimental_aggregate_gradients)
         return self._take_micro_step(grads, variables, weight, name)
 
-    @_tf2.unconverted
+    @_tf_route.unconverted
     def minimize(self, loss: Any, var_list: Any, grad_loss: Any = None, name: str | None = None,
                  tape: Any = None, weight: Any = None, decay_var_list: Sequence[Any] | None = None) -> Any:
         """One micro-step on the gradients of ``loss``: ``OptimizerV2.minimize``
@@ -383,7 +383,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         return {
             "name": super().get_config()["name"],
             "inner_optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
-            "gradient_accumulation_steps": _tf2.serialize_schedule(self._keras, self.gradient_accumulation_steps),
+            "gradient_accumulation_steps": _accumulating.serialize_schedule(self._keras, self.gradient_accumulation_steps),
             "reduction": self.reduction,
             **self._numerics_config(),
         }
@@ -399,7 +399,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
                 _keras2.by_registered_name(cls._keras, inner, custom_objects), custom_objects=custom_objects,
                 use_legacy_optimizer=True,
             )
-        config = _tf2.deserialize_schedule(cls._keras, config, custom_objects)
+        config = _accumulating.deserialize_schedule(cls._keras, config, custom_objects)
         return cls(inner, **config)
 
 

@@ -21,7 +21,7 @@ import tensorflow as tf
 from accum_optimizer import _args, core
 from accum_optimizer._compat import tf as compat
 from accum_optimizer.families import _tf1_graph as graph
-from accum_optimizer.families._tf import check_weight, validate_accumulator_dtype
+from accum_optimizer.families._tf_backend import check_weight, validate_accumulator_dtype
 
 tf1 = tf.compat.v1
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from accum_optimizer import _packages
 from accum_optimizer._compat import keras2 as compat
 from accum_optimizer.core import moments
 from accum_optimizer.layers import _link
 
-_classes: dict[str, type] = {}
 
 _DOC = """``BatchNormalization`` of this Keras 2 package whose moving statistics
 move once per accumulation window, by the window's pooled statistics.
@@ -48,12 +48,7 @@ Raises:
 def batch_normalization_class(package: Any) -> type:
     """The pooling ``BatchNormalization`` for ``package`` (``tf_keras`` or
     Keras 2.x ``keras``), registered as ``accum_optimizer>BatchNormalization``."""
-    cls = _classes.get(package.__name__)
-    if cls is None:
-        cls = _make(package)
-        register = package.utils.register_keras_serializable(package="accum_optimizer", name="BatchNormalization")
-        cls = _classes[package.__name__] = register(cls)
-    return cls
+    return _packages.per_package_class("BatchNormalization", package, _make, "BatchNormalization")
 
 
 def _make(package: Any) -> type:

@@ -1,5 +1,5 @@
 """Strategies that cannot accumulate are refused, by every ``tf.distribute``
-family, through the same check (``families._tf.check_strategy``):
+family, through the same check (``families._tf_backend.check_strategy``):
 ``CentralStorageStrategy`` shares one copy of each variable between the
 replicas, so the accumulators cannot be replica-local (measured before the
 refusal: exactly the update of twice the learning rate, with no error).

@@ -167,7 +167,7 @@ def test_no_underscore_attribute_of_a_framework_object_outside_compat(path):
 
 def _package_classes() -> list[type]:
     classes = []
-    for name in ("keras3", "keras3_jax", "keras3_saving", "keras3_windows", "keras2", "keras2_windows", "legacy",
+    for name in ("keras3", "keras3_jax", "keras3_saving", "keras3_fit", "keras2", "keras2_fit", "legacy",
                  "tf1"):
         try:
             module = importlib.import_module(f"accum_optimizer.families.{name}")

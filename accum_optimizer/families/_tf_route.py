@@ -2,17 +2,17 @@
 families: Keras 3 on TensorFlow, the Keras 2 new optimizer API, and legacy
 ``OptimizerV2``/tensorflow-addons.
 
-:class:`Accumulating` extends the framework-neutral
-:class:`accum_optimizer.families._accumulating.Accumulating` with, once for
+:class:`TFRoute` extends the framework-neutral
+:class:`accum_optimizer.families._accumulating.AccumulatingBase` with, once for
 the three:
 
 * the micro-step's route under ``tf.distribute``: one ``merge_call`` per
   micro-step, the window's ``cond`` in cross-replica context, each replica
   adding into its own (``ON_READ``) accumulators, and on updates handing its
   local window gradient to the inner optimizer, whose all-reduce is the one
-  cross-replica reduction of the window (:meth:`Accumulating._enter_window`);
+  cross-replica reduction of the window (:meth:`TFRoute._enter_window`);
 * the op a micro-step returns in a ``tf.compat.v1`` graph or a
-  ``tf.function``, and :meth:`Accumulating.flush` (a ``tf.function``, or the
+  ``tf.function``, and :meth:`TFRoute.flush` (a ``tf.function``, or the
   op in a v1 graph);
 * the TensorFlow checks of gradients and weights.
 
@@ -29,16 +29,10 @@ import tensorflow as tf
 from accum_optimizer import _args, core
 from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families import _accumulating
-from accum_optimizer.families._accumulating import (  # (shared, imported by the TF families from here)
-    assign_all,
-    deserialize_schedule,
-    saved_layout,
-    serialize_schedule,
-    variable_name,
-)
-from accum_optimizer.families._tf1_graph import TF1Backend
-from accum_optimizer.families._tf import (
-    TFBackend,
+from accum_optimizer.families._accumulating import variable_name
+from accum_optimizer.families._tf_backend import (
+    TF2Backend,
+    TF2GraphBackend,
     as_gradients,
     check_gradient_shapes,
     check_strategy,
@@ -94,20 +88,6 @@ def replicas_in_sync() -> int:
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
-class TF2Backend(TFBackend):
-    """The TF2 families' backend: scattered variables leave copy-on-read mode."""
-
-    def scattered(self, variable: Any) -> None:
-        tf_compat.disable_copy_on_read(variable)
-
-
-class TF2GraphBackend(TF1Backend, TF2Backend):
-    """The TF2 families' backend in a ``tf.compat.v1`` graph (legacy
-    optimizers in TF1-style code, Keras 2's graph-mode ``fit``), where no op
-    runs unless fetched: every write returns its op, ordered explicitly, and
-    the micro-step's op groups them (:class:`TF1Backend`)."""
-
-
 def in_v1_graph() -> bool:
     """Building a ``tf.compat.v1`` graph (not eagerly, not inside a
     ``tf.function``): nothing runs that is not fetched or ordered."""
@@ -125,9 +105,9 @@ def step_op(parts: Any, name: str | None = None) -> Any:
     return tf.group(*control_inputs(parts), name=name)
 
 
-class Accumulating(_accumulating.Accumulating):
+class TFRoute(_accumulating.AccumulatingBase):
     """The TensorFlow route of the Keras 3 (TF), Keras 2 and legacy wrappers
-    (:class:`accum_optimizer.families._accumulating.Accumulating` holds what
+    (:class:`accum_optimizer.families._accumulating.AccumulatingBase` holds what
     does not depend on TensorFlow)."""
 
     def _before_base(self, args: _args.Arguments) -> None:
@@ -333,3 +313,5 @@ def build_for_loading(model: Any) -> None:
         model.optimizer.build(model.trainable_variables)
 
 
+Route = TFRoute
+"""The route ``keras3.AccumulatingOptimizer`` takes on this backend (picked at import)."""

@@ -8,6 +8,17 @@ variables (TF1 graph code returns the ops, to order them by hand) and how it
 calls its inner optimizer (``apply_inner``). Sparse gradients are
 ``tf.IndexedSlices``; per-replica values (``tf.distribute``) are accepted
 wherever a gradient is.
+
+The backends, by where they run:
+
+* :class:`TFBackend`: eager code and ``tf.function`` (automatic control
+  dependencies order the writes);
+* :class:`TF1Backend`: graphs built by hand (TF1 code), whose assignments
+  return the ops the algorithm orders explicitly;
+* :class:`TF2Backend` / :class:`TF2GraphBackend`: the three
+  ``tf.function`` families (:mod:`accum_optimizer.families._tf_route`),
+  whose scattered variables leave copy-on-read mode, in a ``tf.function``
+  or a ``tf.compat.v1`` graph.
 """
 
 from __future__ import annotations
@@ -18,12 +29,15 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from accum_optimizer import _args
+from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families._accumulating import (
     shape_mismatch,
     weight_shape_error,
     weight_type_error,
     weight_value_error,
 )
+
+tf1 = tf.compat.v1
 
 
 class TFBackend:
@@ -79,7 +93,7 @@ class TFBackend:
 
     def scattered(self, variable: Any) -> None:
         """Called after a scatter into ``variable`` (a hook: see
-        :meth:`accum_optimizer.families._tf2.TF2Backend.scattered`)."""
+        :meth:`accum_optimizer.families._tf_backend.TF2Backend.scattered`)."""
 
     def cond(self, pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
         static = None if isinstance(pred, tf.Variable) else tf.get_static_value(pred)
@@ -183,6 +197,65 @@ class TFBackend:
 
     def sparse(self, values: Any, rows: Any, like: Any) -> Any:
         return tf.IndexedSlices(values, rows, dense_shape=tf.constant(static_shape(like), tf.int64))
+
+
+class TF1Backend(TFBackend):
+    """The core's backend for TF1: every assignment returns its op (``None``
+    eagerly) so that the algorithm can order them with control
+    dependencies; ``cond`` is ``tf.cond`` with branches returning grouped
+    ops. ``made`` collects the ops made outside any ``cond`` (grouped into
+    the train op)."""
+
+    def __init__(self, apply_inner: Any = None) -> None:
+        super().__init__(apply_inner)
+        self.made: list = []
+        self._depth = 0
+
+    def _record(self, op: Any) -> Any:
+        if tf.executing_eagerly():
+            return None
+        op = op.op if not isinstance(op, tf.Operation) else op
+        if self._depth == 0:
+            self.made.append(op)
+        return op
+
+    def assign(self, variable: Any, value: Any) -> Any:
+        return self._record(variable.assign(value, read_value=False))
+
+    def assign_add(self, variable: Any, value: Any) -> Any:
+        if isinstance(value, tf.IndexedSlices):
+            return self._record(tf1.scatter_add(variable, value.indices, value.values))
+        return self._record(variable.assign_add(value, read_value=False))
+
+    def scatter_update(self, variable: Any, indices: Any, updates: Any) -> Any:
+        return self._record(tf1.scatter_update(variable, indices, updates))
+
+    def cond(self, pred: Any, true_fn: Any, false_fn: Any) -> Any:
+        def branch(fn):
+            def run():
+                self._depth += 1
+                try:
+                    return tf.group(*control_inputs(fn()))
+                finally:
+                    self._depth -= 1
+
+            return run
+
+        return tf.cond(pred, branch(true_fn), branch(false_fn))
+
+
+class TF2Backend(TFBackend):
+    """The TF2 families' backend: scattered variables leave copy-on-read mode."""
+
+    def scattered(self, variable: Any) -> None:
+        tf_compat.disable_copy_on_read(variable)
+
+
+class TF2GraphBackend(TF1Backend, TF2Backend):
+    """The TF2 families' backend in a ``tf.compat.v1`` graph (legacy
+    optimizers in TF1-style code, Keras 2's graph-mode ``fit``), where no op
+    runs unless fetched: every write returns its op, ordered explicitly, and
+    the micro-step's op groups them (:class:`TF1Backend`)."""
 
 
 def _none(_: Any) -> None:

@@ -1,6 +1,6 @@
 """What the Keras families' ``model.fit`` tools share (Keras 3:
-:mod:`~accum_optimizer.families.keras3_windows`; Keras 2, both families:
-:mod:`~accum_optimizer.families.keras2_windows`): the flush at epoch end of
+:mod:`~accum_optimizer.families.keras3_fit`; Keras 2, both families:
+:mod:`~accum_optimizer.families.keras2_fit`): the flush at epoch end of
 ``FlushPartialWindow``, a mixin placed before the Keras package's
 ``Callback``; how ``CountedLoss`` resolves its loss and merges the masks.
 The count a ``CountedLoss`` reports is
