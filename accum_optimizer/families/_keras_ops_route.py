@@ -225,7 +225,3 @@ class KerasOpsRoute(_accumulating.AccumulatingBase):
         self._check_flushable()
         self._flush_window(core.ONE_REPLICA)
         return None
-
-
-Route = KerasOpsRoute
-"""The route ``keras3.AccumulatingOptimizer`` takes on this backend (picked at import)."""

@@ -311,7 +311,3 @@ def build_for_loading(model: Any) -> None:
     train step would: the state loaded is then restored at once."""
     with model.distribute_strategy.scope(), outside_functions():
         model.optimizer.build(model.trainable_variables)
-
-
-Route = TFRoute
-"""The route ``keras3.AccumulatingOptimizer`` takes on this backend (picked at import)."""

@@ -37,15 +37,17 @@ BACKENDS = ("tensorflow", "jax", "torch")
 
 if keras.backend.backend() == "tensorflow":
     from accum_optimizer.families import _tf_route as _route
+    from accum_optimizer.families._tf_route import TFRoute as Route
 else:  # (another backend is refused when a wrapper is made: _check_environment)
     from accum_optimizer.families import _keras_ops_route as _route
+    from accum_optimizer.families._keras_ops_route import KerasOpsRoute as Route
 
 _INNER_ONLY_ARGS = {**_args.KERAS_OPTIMIZER_ARGUMENTS, "loss_scale_factor": None}
 
 
 @keras.saving.register_keras_serializable(package="accum_optimizer")
 class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3Saving, DeviceAccumulators,
-                            _route.Route, keras.optimizers.Optimizer):
+                            Route, keras.optimizers.Optimizer):
     """Accumulate gradients over micro-batches, update once per window.
 
     Each call to :meth:`apply` / :meth:`apply_gradients` is one *micro-step*:
