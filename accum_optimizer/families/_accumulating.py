@@ -340,6 +340,87 @@ class AccumulatingBase(_args.Constructor):
         else ``None`` (the gates are applied by ``Window.gated``)."""
         return None
 
+    # --------------------------------------------------------- saved state
+    def _saved_variables(self) -> list:
+        """The variables in the order saved state lists them (``variables``)."""
+        return list(self.variables)
+
+    def _model_being_loaded(self) -> Any:
+        """The model whose ``load_weights`` is restoring this optimizer, or ``None``."""
+        return None
+
+    def _ready_to_restore(self, state: Any) -> bool:
+        """Before restoring ``state``: build the optimizer where its model is
+        being loaded (as its first train step would); unbuilt otherwise
+        (called directly, with no model), keep ``state`` (``{key: array}``)
+        for :meth:`build` and return ``False``."""
+        import numpy as np
+
+        if not self._window_built():
+            model = self._model_being_loaded()
+            if model is not None:
+                self._build_for_loading(model)
+        if self._window_built():
+            return True
+        self._window.deferred = {k: np.asarray(state[k]) for k in state.keys()}
+        return False
+
+    def _restore(self, saved: Sequence[Any], name: str) -> list:
+        """Assign ``saved`` (arrays, the order of :meth:`_saved_variables`) to
+        the variables of the layout they fit: the current one, or one saved
+        by an older version or another configuration without some of the
+        optional trailing blocks (``self._window.blocks``, see
+        :func:`saved_layout`). State saved without the window's position is
+        at ``micro_steps % N`` (:meth:`_forget_position`); without row
+        trackers, every row of a restored accumulator that is non-zero is
+        marked. Returns the variables assigned.
+
+        Raises:
+            ValueError: no layout has as many variables as ``saved``, or a
+                shape differs.
+        """
+        blocks = self._window.blocks
+        variables = saved_layout(self._saved_variables(), list(blocks.values()), saved)
+        if len(saved) != len(variables):
+            raise ValueError(
+                f"Cannot restore optimizer '{name}': it has {len(variables)} variables but the saved "
+                f"state has {len(saved)}. Was it saved with a different inner optimizer, "
+                "gradient_accumulation_steps, nonfinite policy or model?"
+            )
+        assign_all(variables, saved, variable_name)
+        restored = {id(v) for v in variables}
+        if blocks.get("window") and id(blocks["window"][0]) not in restored:
+            self._forget_position()
+        trackers = blocks.get("trackers")
+        if trackers and id(trackers[-1]) not in restored:
+            self._mark_rows_of_restored_accumulators()
+        return variables
+
+    def _forget_position(self) -> None:
+        """After restoring state saved without the window's position (by
+        versions before it): mark it unknown, for
+        :func:`accum_optimizer.core.resume_position` to derive
+        (``micro_steps % N``), now where the family does not resume lazily
+        (``_resumes_position``), else at the next micro-step or flush."""
+        self.mini_step.assign(core.UNKNOWN_POSITION)
+        self.window_weight.assign(0.0)
+        if not self._resumes_position:
+            with self._outside_functions():
+                core.resume_position(self._backend(), self._window_state(), self._rules())
+
+    def _mark_rows_of_restored_accumulators(self) -> None:
+        """State saved without row trackers (by a version before them): mark
+        every row whose restored accumulator is non-zero, so that the window
+        in progress loses nothing when it closes."""
+        import numpy as np
+
+        for acc, tracker in zip(self.acc_grads, self._row_trackers):
+            if tracker is None:
+                continue
+            value = np.asarray(acc.numpy())
+            touched = np.any(value.reshape(value.shape[0], -1) != 0, axis=1)
+            tracker.assign(touched.astype("float16"))
+
     # ------------------------------------------------------ partial window
     def _check_flushable(self) -> None:
         """Raise ``ValueError`` before the optimizer is built."""

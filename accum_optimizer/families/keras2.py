@@ -238,17 +238,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf_rout
                 "set_weights() needs a built optimizer; call "
                 "`optimizer.build(trainable_variables)` first."
             )
-        weights = list(weights)
-        variables = _accumulating.saved_layout(self.variables, list(self._window.blocks.values()), weights)
-        _accumulating.assign_all(variables, weights, lambda v: v.name)
-        self._forget_position(variables)
-
-    def _forget_position(self, restored: Sequence[Any]) -> None:
-        """After restoring state without ``mini_step``: mark it unknown (-1),
-        so that the next micro-step derives it from ``micro_steps``."""
-        if self.mini_step is not None and not any(v is self.mini_step for v in restored):
-            self.mini_step.assign(core.UNKNOWN_POSITION)
-            self.window_weight.assign(0.0)
+        self._restore(list(weights), self.name)
 
     def load_own_variables(self, store: Mapping[str, Any]) -> None:
         """Restore state saved by ``save_own_variables`` (the ``.keras`` and
@@ -265,27 +255,12 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf_rout
         Raises:
             ValueError: the number of saved variables does not match.
         """
-        if len(store.keys()) == 0:
+        if len(store.keys()) == 0 or not self._ready_to_restore(store):  # (no model: restored when it builds)
             return
-        if not self._window_built():
-            model = compat.model_being_loaded(self, self._keras)
-            if model is not None:  # model.load_weights: built now, as its first train step would
-                _tf_route.build_for_loading(model)
-        if not self._window_built():  # called directly, with no model: restored when it builds
-            self._window.deferred = {k: np.asarray(store[k]) for k in store.keys()}
-            return
-        saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
-        variables = _accumulating.saved_layout(self.variables, list(self._window.blocks.values()), saved)
-        if len(saved) != len(variables):
-            raise ValueError(
-                f"Cannot restore optimizer '{self.name}': it has "
-                f"{len(variables)} variables but the saved state has "
-                f"{len(saved)}. Was it saved with a different inner "
-                "optimizer, gradient_accumulation_steps or model?"
-            )
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
-        self._forget_position(variables)
+        self._restore([np.asarray(store[str(i)]) for i in range(len(store.keys()))], self.name)
+
+    def _model_being_loaded(self) -> Any:
+        return compat.model_being_loaded(self, self._keras)
 
     # ------------------------------------------------------------ micro-step
     @_tf_route.unconverted

@@ -21,7 +21,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from accum_optimizer._compat import keras3 as compat
-from accum_optimizer.families._accumulating import assign_all, saved_layout, variable_name
 
 # Key prefix, in this optimizer's saved store, of the variables of a
 # LossScaleOptimizer outside (see `save_own_variables`).
@@ -87,7 +86,8 @@ class Keras3Saving:
 
     # ------------------------------------------------------------- saving
     def set_weights(self, weights: Sequence[Any]) -> None:
-        """Assign ``weights`` (arrays in the order of :attr:`variables`).
+        """Assign ``weights`` (arrays in the order of :attr:`variables`, or
+        of an older layout, as :meth:`load_own_variables` accepts).
 
         Raises:
             ValueError: the optimizer is not built, or the number or shapes of
@@ -98,7 +98,7 @@ class Keras3Saving:
                 "set_weights() needs a built optimizer; call "
                 "`optimizer.build(trainable_variables)` first."
             )
-        assign_all(self.variables, list(weights), variable_name)
+        self._restore(list(weights), self.name)
 
     def save_own_variables(self, store: Any) -> None:
         """Save :attr:`variables` (keys ``"0"``, ``"1"``, ...) and, with a
@@ -139,37 +139,10 @@ class Keras3Saving:
         outer_keys = [k for k in keys if k.startswith(_OUTER_KEY)]
         if not own_keys:
             return  # weights saved without optimizer state: nothing to restore
-        if not self.built:
-            model = compat.model_being_loaded(self)
-            if model is not None:  # model.load_weights: built now, as its first train step would
-                self._build_for_loading(model)
-        if not self.built:  # called directly, with no model: restored when it builds
-            self._window.deferred = {k: np.asarray(store[k]) for k in keys}
+        if not self._ready_to_restore(store):  # (no model: restored when it builds)
             self._restore_counters(self._window.deferred)
             return
-        blocks = self._window.blocks
-        variables = saved_layout(self.variables, list(blocks.values()), [np.asarray(store[k]) for k in sorted(own_keys, key=int)])
-        if len(own_keys) != len(variables):
-            raise ValueError(
-                f"Cannot restore optimizer '{self.name}': it has "
-                f"{len(variables)} variables but the saved state has "
-                f"{len(own_keys)}. Was it saved with a different inner "
-                "optimizer, gradient_accumulation_steps, nonfinite policy or "
-                "model? To load only the model's weights, use "
-                "keras.saving.load_weights(model, path, "
-                "objects_to_skip=[model.optimizer]) on a .weights.h5 file."
-            )
-        for i, variable in enumerate(variables):
-            variable.assign(store[str(i)])
-        if blocks["window"] and not any(v is self.mini_step for v in variables):
-            # Saved before the window had its own position (0.2.0.dev0 and
-            # older, no flush, no schedule): it was `micro_steps % N`.
-            steps = self.gradient_accumulation_steps
-            position = int(self.micro_steps.numpy()) % steps if isinstance(steps, int) else 0
-            self.mini_step.assign(position)
-            self.window_weight.assign(float(position))
-        if blocks["trackers"] and not any(variables[-1] is t for t in blocks["trackers"]):
-            self._mark_rows_of_restored_accumulators()
+        self._restore([np.asarray(store[k]) for k in sorted(own_keys, key=int)], self.name)
         if outer_keys:
             outer_state = {k: np.asarray(store[k]) for k in outer_keys}
             if self.outer_optimizer is not None:
@@ -177,16 +150,8 @@ class Keras3Saving:
             else:
                 self._window.deferred_outer = outer_state
 
-    def _mark_rows_of_restored_accumulators(self) -> None:
-        """State saved without row trackers (by a version before them): mark
-        every row whose restored accumulator is non-zero, so that the window
-        in progress loses nothing when it closes."""
-        for acc, tracker in zip(self.acc_grads, self._row_trackers):
-            if tracker is None:
-                continue
-            value = np.asarray(acc.numpy())
-            touched = np.any(value.reshape(value.shape[0], -1) != 0, axis=1)
-            tracker.assign(touched.astype("float16"))
+    def _model_being_loaded(self) -> Any:
+        return compat.model_being_loaded(self)
 
     def _restore_counters(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore, before build, the two counters that already exist:

@@ -252,14 +252,13 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         Raises:
             ValueError: the number or shapes of ``weights`` do not match.
         """
-        weights = list(weights)
-        window = len(self._window.block_variables())
-        if not window or len(weights) != len(self.weights) - window:
+        if not self._window_built():
             super().set_weights(weights)
             return
-        _accumulating.assign_all(self.weights[: len(weights)], weights, lambda v: v.name)
-        self.mini_step.assign(core.UNKNOWN_POSITION)
-        self.window_weight.assign(0.0)
+        self._restore(list(weights), super().get_config()["name"])
+
+    def _saved_variables(self) -> list:
+        return self.weights
 
     def variables(self) -> list:
         return self.weights

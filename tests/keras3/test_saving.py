@@ -22,6 +22,7 @@ from support.families import require
 
 require("keras3")  # first, before Keras is imported: skips the module elsewhere
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -339,6 +340,41 @@ def test_resume_mid_window_from_save_weights_in_custom_loop_is_bitwise_identical
     assert opt.built  # by the load: the first step's tf.function finds it built
     run_steps(make_train_step(model, opt), loop_runs.x, loop_runs.y, SAVE_AT, TOTAL)
     assert_same_state(state_of(model, opt), loop_runs.reference)
+
+
+def test_state_saved_before_the_window_position_resumes_bitwise(loop_runs):
+    """State in the layout of versions before ``mini_step``, ``window_weight``
+    and the row trackers (the wrapper's own variables and the inner
+    optimizer's: a prefix of today's) resumes two micro-steps into its window:
+    the position is ``micro_steps % N`` again, and training on ends bitwise
+    equal to the uninterrupted run (the same restore routine as the Keras 2
+    and legacy families)."""
+    model, opt = make_mlp(0), make_optimizer()
+    run_steps(make_train_step(model, opt), loop_runs.x, loop_runs.y, 0, SAVE_AT)
+    blocks = {id(v) for v in [opt.mini_step, opt.window_weight, *opt.touched_rows]}
+    old_layout = [v.numpy() for v in opt.variables if id(v) not in blocks]
+    assert len(old_layout) == len(opt.variables) - len(blocks)
+    resumed, resumed_opt = make_mlp(RESUME_SEED), make_optimizer()
+    resumed_opt.build(resumed.trainable_variables)
+    resumed_opt.load_own_variables({str(i): value for i, value in enumerate(old_layout)})
+    resumed.set_weights(weights(model))
+    assert int(resumed_opt.mini_step.numpy()) == SAVE_AT % N
+    assert float(resumed_opt.window_weight.numpy()) == SAVE_AT % N
+    run_steps(make_train_step(resumed, resumed_opt), loop_runs.x, loop_runs.y, SAVE_AT, TOTAL)
+    # Every weight and optimizer variable bitwise, but the row trackers: a
+    # save without them marks each row of a non-zero restored accumulator
+    # (rows a sparse window would have marked; dense windows never clear
+    # them), where the uninterrupted dense run marked none.
+    actual, expected = state_of(resumed, resumed_opt), loop_runs.reference
+    trackers = [i for i, v in enumerate(resumed_opt.variables) if any(v is t for t in resumed_opt.touched_rows)]
+    assert trackers and all(np.all(actual.opt_values[i] == 1) for i in trackers)
+    def without_trackers(state: State) -> State:
+        return dataclasses.replace(state, **{
+            name: [x for i, x in enumerate(getattr(state, name)) if i not in trackers]
+            for name in ("opt_values", "opt_specs", "opt_paths")
+        })
+
+    assert_same_state(without_trackers(actual), without_trackers(expected))
 
 
 def test_loading_into_unbuilt_optimizer_does_not_warn_that_state_was_skipped(fit_runs):
