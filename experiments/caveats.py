@@ -67,21 +67,20 @@ CASE_TITLES = {
 
 # TensorFlow, Keras and the cases (tests/support/caveats.py) are imported by
 # _import_tf(), after the arguments are parsed (so that --help is instant).
-keras = np = AccumulatingOptimizer = cases = make_data = max_abs_diff = None
+keras = AccumulatingOptimizer = cases = make_data = max_abs_diff = None
 study = None  # the cases at this study's sizes: support.caveats.Caveats
 
 
 def _import_tf() -> None:
-    global keras, np, AccumulatingOptimizer, cases, make_data, max_abs_diff, study
+    global keras, AccumulatingOptimizer, cases, make_data, max_abs_diff, study
     tests_support()
     import keras as _keras
-    import numpy as _np
 
     from accum_optimizer import AccumulatingOptimizer as _Acc
     from support import caveats as _cases
     from support.reference import make_data as _make_data, max_abs_diff as _max_abs_diff
 
-    keras, np, AccumulatingOptimizer, cases = _keras, _np, _Acc, _cases
+    keras, AccumulatingOptimizer, cases = _keras, _Acc, _cases
     make_data, max_abs_diff = _make_data, _max_abs_diff
     study = _cases.Caveats(n=N, lr=LR, hidden=HIDDEN)
 
