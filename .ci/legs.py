@@ -73,7 +73,7 @@ KERAS_HUB_DEPS = ["absl-py", "numpy", "packaging", "regex", "rich", "kagglehub!=
 # reference backend (tests/support/numpy_backend.py) and its import without
 # any framework, and tests/core/test_references.py (the sources read
 # statically: every tests/...py path and every API reference of the package,
-# docs and tools resolves; no test imports benchmarks).
+# docs and tools resolves; no test imports benchmarks or experiments).
 EVERY_LEG = ["tests/core/test_window_numpy.py", "tests/core/test_core_without_framework.py",
              "tests/core/test_references.py"]
 

@@ -9,13 +9,12 @@ Each benchmark prints its table and writes ``<name>.json``, ``<name>.png`` and
 ``<name>.md`` to the output folder; this entry point also writes
 ``SUMMARY.md`` (the tables, the plots and the command that produced
 them, ready to paste into the README) and ``run_all.json`` (wall times).
-``benchmarks.compare_builtin`` (correctness, not cost) and
-``benchmarks.caveats`` (where exactness needs a recipe) are separate.
+The correctness studies (``experiments.compare_builtin``,
+``experiments.caveats``, ``experiments.mixed_precision``) are in ``experiments/``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 import time
@@ -26,7 +25,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks._env import load_average, static_env  # noqa: E402
+from benchmarks._output import write_json  # noqa: E402
+from benchmarks._profiles import benchmark_parser, parse_str_list  # noqa: E402
 
 BENCHMARKS = {
     "memory": "1. Memory: what accumulation saves and what it costs",
@@ -37,9 +38,8 @@ BENCHMARKS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_profile_args(parser)
-    parser.add_argument("--only", type=C.parse_str_list, default=list(BENCHMARKS),
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--only", type=parse_str_list, default=list(BENCHMARKS),
                         help=f"comma list of benchmarks to run (default: {','.join(BENCHMARKS)})")
     args = parser.parse_args(argv)
     unknown = [b for b in args.only if b not in BENCHMARKS]
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join([".venv/bin/python", "-m", "benchmarks", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
-    env = C.static_env()  # at the start: the load average is the one the runs saw
+    env = static_env()  # at the start: the load average is the one the runs saw
     timings, failed = {}, []
     for name in args.only:
         print(f"\n=== benchmarks.{name} ({args.profile}) ===", flush=True)
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
             failed.append(name)
         print(f"=== benchmarks.{name}: {'FAILED' if rc else 'done'} in {timings[name]:.0f} s ===", flush=True)
     total = time.perf_counter() - t0
-    env["load_average_at_end"] = C.load_average()
-    C.write_json(out / "run_all.json", {"profile": args.profile, "command": command, "seconds": timings,
+    env["load_average_at_end"] = load_average()
+    write_json(out / "run_all.json", {"profile": args.profile, "command": command, "seconds": timings,
                                         "total_seconds": total, "failed": failed, "env": env})
     _write_summary(out, args, command, timings, total, env)
     print(f"\nall benchmarks: {total:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in timings.items())}); "

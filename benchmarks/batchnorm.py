@@ -65,7 +65,6 @@ and the command); ``--out`` defaults to ``docs/benchmarks``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -78,7 +77,10 @@ if __package__ in (None, ""):  # `python benchmarks/batchnorm.py`
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks._env import load_average, static_env, tf_env  # noqa: E402
+from benchmarks._output import Progress, format_table, print_and_write, pyplot, save_figure  # noqa: E402
+from benchmarks._profiles import benchmark_parser  # noqa: E402
+from benchmarks._training import make_train_step  # noqa: E402
 
 N, B = 8, 16             # accumulation steps, micro-batch size: the large batch is N*B = 128
 EPOCHS, QUICK_EPOCHS = 30, 2
@@ -245,7 +247,7 @@ def _accuracy(model, data: dict) -> float:
 
 def _run(model, optimizer, batches) -> list[float]:
     """Train on ``batches`` with a ``tf.function`` custom-loop step; the losses."""
-    step = C.make_train_step(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    step = make_train_step(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return [float(step(x, y)) for x, y in batches]
 
 
@@ -383,7 +385,7 @@ def table(data: dict, markdown: bool = False) -> str:
               f"large batch's rule (float64 moments of each window's N·B rows, one momentum step) on what each BN "
               f"saw (under accumulation the second BN's input is normalised by the first BN with the moments of B "
               f"rows, not N·B: no rule removes that), 'test acc' with those moving statistics.")
-    out = C.format_table(headers, rows, markdown) + "\n\n" + legend
+    out = format_table(headers, rows, markdown) + "\n\n" + legend
     if markdown:
         env = data["env"]
         load = lambda la: ", ".join(f"{x:.1f}" for x in la or [])  # noqa: E731
@@ -410,7 +412,7 @@ def _grouped_bars(ax, ways: list, series: dict, fmt: str, floor: float = 0.0) ->
 
 
 def plot(data: dict, path: Path) -> Path:
-    plt = C.pyplot()
+    plt = pyplot()
     ways = list(data["ways"])
     trained = [data["ways"][w]["trained"] for w in ways]
     frozen = [data["ways"][w]["frozen"] for w in ways]
@@ -435,31 +437,31 @@ def plot(data: dict, path: Path) -> Path:
     ax_acc.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=2)
     s = data["settings"]
     fig.suptitle(f"load_digits CNN, N={s['N']}, B={s['B']}, {s['epochs']} epochs, BN momentum {s['momentum']}")
-    return C.save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, profiles=False)
     parser.add_argument("--quick", action="store_true", help=f"smoke run (seconds): {QUICK_EPOCHS} epochs, "
                         f"a frozen pass of {QUICK_FROZEN_EPOCHS} epoch")
     parser.add_argument("--out", default="docs/benchmarks", help="output folder (default: docs/benchmarks)")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     epochs, frozen_epochs = (QUICK_EPOCHS, QUICK_FROZEN_EPOCHS) if args.quick else (EPOCHS, FROZEN_EPOCHS)
-    env = C.static_env()
+    env = static_env()
     t_start = time.perf_counter()
     _import_tf()
-    env.update(C.tf_env())
+    env.update(tf_env())
     data = load_data()
     windows = len(data["x_train"]) // (N * B)
     rng = np.random.default_rng(SEED)
     orders = [rng.permutation(len(data["x_train"]))[:windows * N * B] for _ in range(epochs)]
-    prog = C.Progress("batchnorm", 2 * len(WAYS) + 2)
+    prog = Progress("batchnorm", 2 * len(WAYS) + 2)
     ways, weights = measure_training(data, orders, prog)
     frozen = measure_frozen(weights, data, orders[:frozen_epochs], prog)
     steps_per_window = {"large": 1, "accum-plain-bn": N, "accum-pooled-bn": 1, "accum-andreped": 1}
-    env["load_average_at_end"] = C.load_average()
+    env["load_average_at_end"] = load_average()
     result = {
         "benchmark": "batchnorm",
         "command": " ".join([".venv/bin/python -m benchmarks.batchnorm", *argv]),
@@ -476,10 +478,7 @@ def main(argv=None) -> int:
                  for way in WAYS},
         "wall_seconds": time.perf_counter() - t_start,
     }
-    print()
-    print(table(result))
-    C.write_outputs(args.out, "batchnorm", result, table(result, markdown=True), plot, prog)
-    return 0
+    return print_and_write(args.out, "batchnorm", result, table(result), table(result, markdown=True), plot, prog)
 
 
 if __name__ == "__main__":

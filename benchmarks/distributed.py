@@ -51,16 +51,10 @@ if __package__ in (None, ""):  # `python benchmarks/distributed.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from benchmarks import _common as C  # noqa: E402
-
-
-def _tests_support() -> None:
-    """Put ``tests/`` on ``sys.path``: the launcher (``support.cluster``) and
-    the collective counter (``support.collectives``) are the multi-worker
-    tests' (``tests/support/``), shared with this benchmark."""
-    path = str(C.REPO_ROOT / "tests")
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from benchmarks._env import REPO_ROOT, static_env, tests_support  # noqa: E402
+from benchmarks._output import MIB, Progress, fmt_mib, format_table, print_and_write, pyplot, save_figure  # noqa: E402
+from benchmarks._profiles import benchmark_parser, parse_int_list  # noqa: E402
+from benchmarks._stats import summarize  # noqa: E402
 
 
 WORKERS = 2
@@ -103,7 +97,7 @@ def worker(p: dict, out: Path) -> None:
     import numpy as np
     import tensorflow as tf
 
-    _tests_support()
+    tests_support()  # the multi-worker tests' launcher and collective counter
     from support.collectives import CollectiveCounter
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -181,21 +175,21 @@ def _window(step, batch, opt, n: int):
 # ------------------------------------------------------------------ parent
 def run(p: dict) -> dict:
     """Run the two workers; their figures, worker 0's as the row."""
-    _tests_support()
+    tests_support()  # the multi-worker tests' launcher and collective counter
     from support.cluster import run_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         params = Path(tmp) / "params.json"
         params.write_text(json.dumps(p))
         run_cluster(["-m", "benchmarks.distributed", "--worker", str(params), "--out", tmp],
-                    Path(tmp) / "logs", timeout=p["timeout"], num_workers=WORKERS, pythonpath=[str(C.REPO_ROOT)])
+                    Path(tmp) / "logs", timeout=p["timeout"], num_workers=WORKERS, pythonpath=[str(REPO_ROOT)])
         workers = [json.loads((Path(tmp) / f"worker{i}.json").read_text()) for i in range(WORKERS)]
     rows = []
     for i, row in enumerate(workers[0]):
         row = dict(row)
         if row.get("runs"):
-            row["window_s"] = C.summarize(row.pop("seconds"))
-            row["window_s_worker1"] = C.summarize(workers[1][i]["seconds"])
+            row["window_s"] = summarize(row.pop("seconds"))
+            row["window_s_worker1"] = summarize(workers[1][i]["seconds"])
             row["per_window_worker1"] = workers[1][i]["per_window"]
         rows.append(row)
     return {"rows": rows}
@@ -233,9 +227,9 @@ def table(data: dict, markdown: bool = False) -> str:
         rows.append([r["n"], r["method"],
                      f"{1e3 * s['median']:.1f} [{1e3 * s['q1']:.1f}, {1e3 * s['q3']:.1f}]",
                      f"{1e3 * s['median'] / r['n']:.1f}",
-                     C.fmt_mib(w["grad_bytes"], 2), w["grad_launches"], C.fmt_mib(w["all_bytes"], 2),
+                     fmt_mib(w["grad_bytes"], 2), w["grad_launches"], fmt_mib(w["all_bytes"], 2),
                      "n/a" if ratio is None else f"1/{1 / ratio:.0f}" if ratio < 1 else f"{ratio:.2f}"])
-    return C.format_table(headers, rows, markdown=markdown)
+    return format_table(headers, rows, markdown=markdown)
 
 
 def markdown(data: dict) -> str:
@@ -259,7 +253,7 @@ def markdown(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> Path:
-    plt = C.pyplot()
+    plt = pyplot()
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"plain": ("tab:gray", "o"), "accum": ("tab:blue", "s"), "accum-eager": ("tab:cyan", "s"),
               "builtin-eager": ("tab:orange", "^")}
@@ -272,7 +266,7 @@ def plot(data: dict, path: Path) -> Path:
         err = [[1e3 * (r["window_s"]["median"] - r["window_s"]["q1"]) for r in rows],
                [1e3 * (r["window_s"]["q3"] - r["window_s"]["median"]) for r in rows]]
         ax_t.errorbar(ns, med, yerr=err, color=color, marker=marker, capsize=3, label=method)
-        ax_b.plot(ns, [r["per_window"]["grad_bytes"] / C.MIB for r in rows], color=color, marker=marker,
+        ax_b.plot(ns, [r["per_window"]["grad_bytes"] / MIB for r in rows], color=color, marker=marker,
                   label=method)
     for ax in (ax_t, ax_b):
         ax.set_xscale("log", base=2)
@@ -288,13 +282,12 @@ def plot(data: dict, path: Path) -> Path:
     ax_b.set_ylabel("gradient bytes all-reduced per window, MiB")
     ax_b.set_title("all-reduce traffic per window (counted)")
     fig.suptitle(f"MultiWorkerMirroredStrategy, {WORKERS} workers on loopback")
-    return C.save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_profile_args(parser)
-    parser.add_argument("--n", type=C.parse_int_list, help="comma list of accumulation steps N")
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--n", type=parse_int_list, help="comma list of accumulation steps N")
     parser.add_argument("--rounds", type=int, help="interleaved timed rounds")
     parser.add_argument("--batch", type=int, help="global micro-batch B (even)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: run as a worker
@@ -312,8 +305,8 @@ def main(argv=None) -> int:
     command = " ".join([".venv/bin/python", "-m", "benchmarks.distributed",
                         *(argv if argv is not None else sys.argv[1:])])
     t0 = time.perf_counter()
-    env = C.static_env()
-    prog = C.Progress("distributed", 1)
+    env = static_env()
+    prog = Progress("distributed", 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = run(p)
@@ -322,9 +315,7 @@ def main(argv=None) -> int:
             "wall_seconds": time.perf_counter() - t0}
     data["problems"] = checks(data)
     prog.step("two workers", f"{data['wall_seconds']:.0f} s")
-    print()
-    print(table(data))
-    C.write_outputs(out, "distributed", data, markdown(data), plot, prog)
+    print_and_write(out, "distributed", data, table(data), markdown(data), plot, prog)
     for problem in data["problems"]:
         print(f"CHECK FAILED: {problem}", file=sys.stderr)
     return 1 if data["problems"] else 0

@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -74,7 +73,17 @@ if __package__ in (None, ""):  # `python benchmarks/memory.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks import _training  # noqa: E402
+from benchmarks._devices import configure_gpu, on_device, select_backend  # noqa: E402
+from benchmarks._env import backend_env, static_env, tf_env  # noqa: E402
+from benchmarks._memory import PeakMemory  # noqa: E402
+from benchmarks._models import build_model, make_batch, model_loss  # noqa: E402
+from benchmarks._output import MIB, Progress, fmt_mib, format_table, pyplot, save_figure, write_outputs  # noqa: E402
+from benchmarks._profiles import (  # noqa: E402
+    MODEL_SIZES, MODELS, add_backend_arg, apply_model_args, benchmark_parser)
+from benchmarks._training import (  # noqa: E402
+    NotApplicable, accumulator_bytes, make_optimizer, make_train_step, warm_up_runtime)
+from benchmarks._workers import emit_result, run_worker, run_workers  # noqa: E402
 
 # `model_ns`: the N swept for a model, where it differs from `ns`.
 # transformer_big (21M parameters, 80 MiB float32) at B=2 sequences of 128
@@ -86,10 +95,10 @@ from benchmarks import _common as C  # noqa: E402
 PROFILES = {
     "tiny": dict(models=("transformer",), batch={"cnn": 2, "transformer": 1, "transformer_big": 1},
                  ns=(2,), model_ns={}, plain_steps=1, windows=1, jobs=4, timeout=300),
-    "quick": dict(models=C.MODELS, batch={"cnn": 16, "transformer": 4, "transformer_big": 2},
+    "quick": dict(models=MODELS, batch={"cnn": 16, "transformer": 4, "transformer_big": 2},
                   ns=(2, 4, 8, 16), model_ns={"transformer_big": (4,)},
                   plain_steps=2, windows=1, jobs=2, timeout=600),
-    "full": dict(models=C.MODELS + ("transformer_big",), batch={"cnn": 32, "transformer": 8, "transformer_big": 2},
+    "full": dict(models=MODELS + ("transformer_big",), batch={"cnn": 32, "transformer": 8, "transformer_big": 2},
                  ns=(2, 4, 8, 16), model_ns={}, plain_steps=3, windows=2, jobs=2, timeout=1800),
 }
 
@@ -106,21 +115,21 @@ def worker(cfg: dict) -> dict:
     if cfg.get("backend", "tensorflow") != "tensorflow":
         return keras_worker(cfg, cfg["backend"])
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    gpu = C.configure_gpu(cfg.get("budget_mib"))
-    result = {"env": C.tf_env()}
+    gpu = configure_gpu(cfg.get("budget_mib"))
+    result = {"env": tf_env()}
     kind, size = cfg["model"], cfg["size"]
-    C.warm_up_runtime(kind, size)
-    model = C.build_model(kind, size, seed=0)
-    x, y = C.on_device(*C.make_batch(kind, size, cfg["batch"], seed=1))
+    warm_up_runtime(kind, size)
+    model = build_model(kind, size, seed=0)
+    x, y = on_device(*make_batch(kind, size, cfg["batch"], seed=1))
     result["param_count"] = int(sum(int(v.shape.num_elements()) for v in model.trainable_variables))
-    result["param_bytes"] = C.param_bytes(model.trainable_variables)
-    mem = C.PeakMemory(gpu)
+    result["param_bytes"] = _training.param_bytes(model.trainable_variables)
+    mem = PeakMemory(gpu)
     mem.start()  # the model is built: weights and the input batch are resident
     try:
-        opt = C.make_optimizer(cfg["method"], cfg["n"], cfg.get("inner", "adam"))
-    except C.NotApplicable as e:
+        opt = make_optimizer(cfg["method"], cfg["n"], cfg.get("inner", "adam"))
+    except NotApplicable as e:
         return {**result, "status": "n/a", "reason": str(e)}
-    step = C.make_train_step(model, opt, C.model_loss(kind), jit_compile=False)
+    step = make_train_step(model, opt, model_loss(kind), jit_compile=False)
     losses = []
     t0 = time.perf_counter()
     for i in range(cfg["steps"]):
@@ -132,8 +141,8 @@ def worker(cfg: dict) -> dict:
     del losses
     gc.collect()
     result.update(mem.stop())
-    result["optimizer_state_bytes"] = C.param_bytes(opt.variables)
-    result["accumulator_bytes"] = C.accumulator_bytes(opt)
+    result["optimizer_state_bytes"] = _training.param_bytes(opt.variables)
+    result["accumulator_bytes"] = accumulator_bytes(opt)
     result["iterations"] = int(opt.iterations.numpy())
     result["status"] = "ok"
     return result
@@ -148,22 +157,22 @@ def keras_worker(cfg: dict, backend: str) -> dict:
     import numpy as np
     from keras import ops
 
-    env = C.backend_env(backend)
+    env = backend_env(backend)
     gpu = not env["device"].startswith(("cpu", "CPU"))
     result = {"env": env}
     kind, size = cfg["model"], cfg["size"]
-    C.warm_up_runtime(kind, size, backend)
-    model = C.build_model(kind, size, seed=0)
-    x, y = C.make_batch(kind, size, cfg["batch"], seed=1)
+    warm_up_runtime(kind, size, backend)
+    model = build_model(kind, size, seed=0)
+    x, y = make_batch(kind, size, cfg["batch"], seed=1)
     result["param_count"] = int(sum(math.prod(v.shape) for v in model.trainable_variables))
-    result["param_bytes"] = C.param_bytes(model.trainable_variables)
-    mem = C.PeakMemory(gpu, backend)
+    result["param_bytes"] = _training.param_bytes(model.trainable_variables)
+    mem = PeakMemory(gpu, backend)
     mem.start()  # the model is built: weights resident
     try:
-        opt = C.make_optimizer(cfg["method"], cfg["n"], cfg.get("inner", "adam"))
-    except C.NotApplicable as e:
+        opt = make_optimizer(cfg["method"], cfg["n"], cfg.get("inner", "adam"))
+    except NotApplicable as e:
         return {**result, "status": "n/a", "reason": str(e)}
-    model.compile(optimizer=opt, loss=C.model_loss(kind))
+    model.compile(optimizer=opt, loss=model_loss(kind))
     t0 = time.perf_counter()
     history = model.fit(np.concatenate([x] * cfg["steps"]), np.concatenate([y] * cfg["steps"]),
                         batch_size=cfg["batch"], epochs=1, shuffle=False, verbose=0)
@@ -171,8 +180,8 @@ def keras_worker(cfg: dict, backend: str) -> dict:
     result["final_loss"] = float(history.history["loss"][-1])
     gc.collect()
     result.update(mem.stop())
-    result["optimizer_state_bytes"] = C.param_bytes(opt.variables)
-    result["accumulator_bytes"] = C.accumulator_bytes(opt)
+    result["optimizer_state_bytes"] = _training.param_bytes(opt.variables)
+    result["accumulator_bytes"] = accumulator_bytes(opt)
     result["iterations"] = int(ops.convert_to_numpy(opt.iterations))
     result["status"] = "ok"
     return result
@@ -182,7 +191,7 @@ def keras_worker(cfg: dict, backend: str) -> dict:
 def build_configs(p: dict, args) -> list[dict]:
     configs = []
     for kind in p["models"]:
-        size = C.MODEL_SIZES[args.profile][kind]
+        size = MODEL_SIZES[args.profile][kind]
         b = p["batch"][kind]
         base = dict(model=kind, size=size, micro_batch=b, inner="adam", budget_mib=args.budget_mib,
                     backend=args.backend)
@@ -232,7 +241,7 @@ def _status(r: dict | None, budget_mib: float | None) -> str:
         return "n/a"
     if r.get("status") != "ok":
         return r.get("status", "error")
-    if budget_mib and r["delta_bytes"] > budget_mib * C.MIB:
+    if budget_mib and r["delta_bytes"] > budget_mib * MIB:
         return "over budget"
     return "ok"
 
@@ -283,7 +292,7 @@ def summarize(configs: list[dict], results: list[dict], args, p: dict) -> dict:
             cost[f"per_micro_batch_{metric}_bytes"] = _median(
                 [(r[metric]["c_plain_NB"] - r[metric]["a_plain_B"]) / (r["n"] - 1) for r in rows
                  if r["n"] > 1 and r[metric]["c_plain_NB"] is not None and r[metric]["a_plain_B"] is not None])
-        per_model[kind] = {"size": C.MODEL_SIZES[args.profile][kind], "micro_batch": p["batch"][kind],
+        per_model[kind] = {"size": MODEL_SIZES[args.profile][kind], "micro_batch": p["batch"][kind],
                            "ns": list(ns_of(p, kind)),
                            "param_count": param_count, "param_bytes": param_bytes, "rows": rows,
                            "accumulator_cost": cost, "runs": runs}
@@ -294,9 +303,9 @@ def _cell(r: dict | None, metric: str, budget_mib: float | None) -> str:
     st = _status(r, budget_mib)
     v = _get(r, metric)
     if st == "ok" or (st == "over budget" and metric != "headline_peak"):
-        return C.fmt_mib(v)
+        return fmt_mib(v)
     if st == "over budget":
-        return f"{C.fmt_mib(v)} over budget"
+        return f"{fmt_mib(v)} over budget"
     return st
 
 
@@ -316,7 +325,7 @@ def tables(per_model: dict, budget_mib: float | None, labels: dict, markdown: bo
         for metric, label in labels.items():
             if all(_get(r["result"], metric) is None for r in m["runs"]):
                 continue
-            head = (f"{kind} ({m['param_count']:,} params = {C.fmt_mib(pb, 2)} MiB float32), micro-batch "
+            head = (f"{kind} ({m['param_count']:,} params = {fmt_mib(pb, 2)} MiB float32), micro-batch "
                     f"B={m['micro_batch']}: {label}, MiB")
             rows = []
             for row in m["rows"]:
@@ -327,31 +336,31 @@ def tables(per_model: dict, budget_mib: float | None, labels: dict, markdown: bo
                              _cell(by_run.get(("c", n)), metric, budget_mib),
                              _cell(by_run.get(("d", n)), metric, budget_mib),
                              "n/a" if f["b_over_c"] is None else f"{f['b_over_c']:.2f}",
-                             C.fmt_mib(f["b_minus_a"], 2), _pct(f["b_minus_a"], pb)])
+                             fmt_mib(f["b_minus_a"], 2), _pct(f["b_minus_a"], pb)])
             headers = ["N", "N*B", "(a) plain B", "(b) accum B", "(c) plain N*B", "(d) built-in B",
                        "(b)/(c)", "(b)-(a)", "(b)-(a)/params"]
             if markdown:
-                out += [f"**{head}**", "", C.format_table(headers, rows, True), ""]
+                out += [f"**{head}**", "", format_table(headers, rows, True), ""]
             else:
-                out += [head, C.format_table(headers, rows), ""]
+                out += [head, format_table(headers, rows), ""]
         ac = m["accumulator_cost"]
         lines = [f"Accumulator cost ({kind}): floor = one float32 copy of the trainable parameters = "
-                 f"{C.fmt_mib(pb, 3)} MiB.",
-                 f"  allocated state: AccumulatingOptimizer {C.fmt_mib(ac['accum_state_bytes'], 3)} MiB "
+                 f"{fmt_mib(pb, 3)} MiB.",
+                 f"  allocated state: AccumulatingOptimizer {fmt_mib(ac['accum_state_bytes'], 3)} MiB "
                  f"({_pct(ac['accum_state_bytes'], pb)} of the floor), Keras built-in "
-                 f"{C.fmt_mib(ac['builtin_state_bytes'], 3)} MiB ({_pct(ac['builtin_state_bytes'], pb)})."]
+                 f"{fmt_mib(ac['builtin_state_bytes'], 3)} MiB ({_pct(ac['builtin_state_bytes'], pb)})."]
         if ac.get("accum_alloc_resident_b_minus_a_median_bytes") is not None:
             lines.append(
                 f"  measured, tensor memory still allocated after training (TF allocator), (b)-(a) median: "
-                f"{C.fmt_mib(ac['accum_alloc_resident_b_minus_a_median_bytes'], 3)} MiB "
+                f"{fmt_mib(ac['accum_alloc_resident_b_minus_a_median_bytes'], 3)} MiB "
                 f"({_pct(ac['accum_alloc_resident_b_minus_a_median_bytes'], pb)} of the floor); built-in (d)-(a): "
-                f"{C.fmt_mib(ac['builtin_alloc_resident_d_minus_a_median_bytes'], 3)} MiB "
+                f"{fmt_mib(ac['builtin_alloc_resident_d_minus_a_median_bytes'], 3)} MiB "
                 f"({_pct(ac['builtin_alloc_resident_d_minus_a_median_bytes'], pb)}).")
             lines.append(
                 f"  measured, peak tensor memory (TF allocator), (b)-(a) median: "
-                f"{C.fmt_mib(ac['accum_alloc_peak_b_minus_a_median_bytes'], 3)} MiB "
+                f"{fmt_mib(ac['accum_alloc_peak_b_minus_a_median_bytes'], 3)} MiB "
                 f"({_pct(ac['accum_alloc_peak_b_minus_a_median_bytes'], pb)}); built-in (d)-(a): "
-                f"{C.fmt_mib(ac['builtin_alloc_peak_d_minus_a_median_bytes'], 3)} MiB "
+                f"{fmt_mib(ac['builtin_alloc_peak_d_minus_a_median_bytes'], 3)} MiB "
                 f"({_pct(ac['builtin_alloc_peak_d_minus_a_median_bytes'], pb)}).")
         per_b = ac.get("per_micro_batch_alloc_peak_bytes")
         per_b_src = "peak tensor memory"
@@ -360,17 +369,17 @@ def tables(per_model: dict, budget_mib: float | None, labels: dict, markdown: bo
         if per_b is not None:
             lines.append(
                 f"  what one micro-batch of B={m['micro_batch']} adds ({per_b_src}, ((c)-(a))/(N-1), median over N): "
-                f"{C.fmt_mib(per_b, 1)} MiB = {per_b / pb:.2f} x the float32 parameters.")
+                f"{fmt_mib(per_b, 1)} MiB = {per_b / pb:.2f} x the float32 parameters.")
         lines.append(
             f"  measured, headline peak, (b)-(a) median: "
-            f"{C.fmt_mib(ac['accum_headline_peak_b_minus_a_median_bytes'], 2)} MiB; built-in (d)-(a): "
-            f"{C.fmt_mib(ac['builtin_headline_peak_d_minus_a_median_bytes'], 2)} MiB.")
+            f"{fmt_mib(ac['accum_headline_peak_b_minus_a_median_bytes'], 2)} MiB; built-in (d)-(a): "
+            f"{fmt_mib(ac['builtin_headline_peak_d_minus_a_median_bytes'], 2)} MiB.")
         out += ["\n".join(lines) if not markdown else "\n".join(l.strip() + "  " for l in lines), ""]
     return "\n".join(out)
 
 
 def plot(per_model: dict, budget_mib: float | None, labels: dict, path: Path) -> Path:
-    plt = C.pyplot()
+    plt = pyplot()
     metrics = [m for m in labels if any(_get(r["result"], m) is not None
                                         for pm in per_model.values() for r in pm["runs"])] or ["headline_peak"]
     fig, axes = plt.subplots(len(metrics), len(per_model), figsize=(6 * len(per_model), 4.2 * len(metrics)),
@@ -386,7 +395,7 @@ def plot(per_model: dict, budget_mib: float | None, labels: dict, path: Path) ->
             va = _get(by_run.get(("a", 1)), metric)
             if va is not None:
                 for k in pts:
-                    pts[k].append((B, va / C.MIB))
+                    pts[k].append((B, va / MIB))
             failed = []
             for row in m["rows"]:
                 n = row["n"]
@@ -394,7 +403,7 @@ def plot(per_model: dict, budget_mib: float | None, labels: dict, path: Path) ->
                     r = by_run.get((case, n))
                     v = _get(r, metric)
                     if v is not None:
-                        pts[key].append((n * B, v / C.MIB))
+                        pts[key].append((n * B, v / MIB))
                     elif r is not None and r.get("status") not in ("ok", "n/a"):
                         failed.append((key, n * B, r.get("status")))
             for key, xy in pts.items():
@@ -408,13 +417,13 @@ def plot(per_model: dict, budget_mib: float | None, labels: dict, path: Path) ->
             if budget_mib and metric == "headline_peak":
                 ax.axhline(budget_mib, color="red", ls="--", lw=1, label=f"budget {budget_mib:g} MiB")
             if m["param_bytes"]:
-                ax.axhline(m["param_bytes"] / C.MIB, color="tab:green", ls=":", lw=1,
+                ax.axhline(m["param_bytes"] / MIB, color="tab:green", ls=":", lw=1,
                            label="one float32 copy of the params")
                 if va is not None:
                     # What accumulation costs at best: the micro-batch's own
                     # peak plus one float32 copy of the parameters. Where the
                     # plain line rises above it, accumulation pays.
-                    ax.axhline((va + m["param_bytes"]) / C.MIB, color="tab:blue", ls="--", lw=1,
+                    ax.axhline((va + m["param_bytes"]) / MIB, color="tab:blue", ls="--", lw=1,
                                label="plain micro-batch peak + accumulator floor")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -429,48 +438,33 @@ def plot(per_model: dict, budget_mib: float | None, labels: dict, path: Path) ->
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     fig.suptitle("Peak training memory against effective batch size")
-    return C.save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_profile_args(parser)
-    C.add_model_args(parser)
+    parser = benchmark_parser(__doc__, models=True)
     parser.add_argument("--budget-mib", type=float, default=None,
                         help="memory budget: GPU memory limit (real OOM) / CPU 'over budget' mark")
     parser.add_argument("--jobs", type=int, help="workers run at once on the CPU (memory figures are "
                         "per process, so they stay valid; always 1 on a GPU)")
-    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
-                        default=os.environ.get("KERAS_BACKEND") or "tensorflow",
-                        help="the Keras backend (default: KERAS_BACKEND, else tensorflow); jax and torch train in fit")
+    add_backend_arg(parser, "; jax and torch train in fit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.worker:
-        C.select_backend(parser, args.backend)
+        select_backend(parser, args.backend)
     if args.worker:
-        C.emit_result(worker(json.loads(args.worker)))
+        emit_result(worker(json.loads(args.worker)))
         return 0
 
-    p = dict(PROFILES[args.profile])
-    if args.models:
-        p["models"] = tuple(args.models)
-    unknown = [m for m in p["models"] if m not in C.ALL_MODELS]
-    if unknown:
-        parser.error(f"--models: unknown model(s) {unknown}; choose from {list(C.ALL_MODELS)}")
-    if args.batch:
-        p["batch"] = {k: args.batch for k in C.ALL_MODELS}
-    elif any(m not in p["batch"] for m in p["models"]):
-        parser.error(f"--models {','.join(p['models'])}: the {args.profile} profile has no micro-batch for "
-                     f"{[m for m in p['models'] if m not in p['batch']]}; pass --batch")
+    p = apply_model_args(parser, args, dict(PROFILES[args.profile]))
     if args.n:
-        p["ns"] = tuple(args.n)
         p["model_ns"] = {}  # an explicit --n applies to every model
     if args.jobs:
         p["jobs"] = args.jobs
     t_start = time.perf_counter()
-    env = C.static_env()
+    env = static_env()
     configs = build_configs(p, args)
-    prog = C.Progress("memory", len(configs))
+    prog = Progress("memory", len(configs))
     prog.note(f"profile={args.profile}: {len(configs)} configurations, each in a fresh subprocess")
     results: list[dict | None] = [None] * len(configs)
 
@@ -478,9 +472,9 @@ def main(argv=None) -> int:
         results[i] = r
         if r.get("status") == "ok":
             alloc = r.get("tf_allocator")
-            res = f"peak {C.fmt_mib(r['delta_bytes'])} MiB ({r['source']})"
+            res = f"peak {fmt_mib(r['delta_bytes'])} MiB ({r['source']})"
             if alloc and r["source"].startswith("RSS"):
-                res += f", tensors {C.fmt_mib(alloc['delta'])} MiB"
+                res += f", tensors {fmt_mib(alloc['delta'])} MiB"
         else:
             res = r.get("status", "error")
             detail = r.get("reason") or r.get("stderr_tail", "")
@@ -489,11 +483,11 @@ def main(argv=None) -> int:
         prog.step(_describe(configs[i]), res, r.get("seconds"))
 
     # The first worker alone: it reports the device; on a GPU run the rest one at a time.
-    done(0, C.run_worker("benchmarks.memory", configs[0], p["timeout"]))
+    done(0, run_worker("benchmarks.memory", configs[0], p["timeout"]))
     tfenv = results[0].get("env", {})
     jobs = 1 if tfenv.get("gpu_count") or (args.backend != "tensorflow" and tfenv.get("memory_source", "RSS") != "RSS") \
         else p["jobs"]
-    C.run_workers("benchmarks.memory", configs[1:], jobs, p["timeout"], lambda i, r: done(i + 1, r))
+    run_workers("benchmarks.memory", configs[1:], jobs, p["timeout"], lambda i, r: done(i + 1, r))
     env.update(tfenv)
     gpu = bool(tfenv.get("gpu_count")) or (args.backend != "tensorflow"
                                              and not str(tfenv.get("device", "cpu")).lower().startswith("cpu"))
@@ -528,7 +522,7 @@ def main(argv=None) -> int:
         md += ("\n" + ", ".join(narrow) + f": N = {', '.join(str(n) for n in ns_of(p, narrow[0]))} only in the "
                f"{args.profile} profile; the sweep over N = {', '.join(str(n) for n in PROFILES['full']['ns'])}: "
                f"`.venv/bin/python -m benchmarks.memory --full --models {','.join(narrow)}`.\n")
-    C.write_outputs(
+    write_outputs(
         out, "memory" if args.backend == "tensorflow" else f"memory_{args.backend}", data, md,
         lambda _data, path: plot(per_model, args.budget_mib, labels, path), prog,
     )

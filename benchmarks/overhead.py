@@ -23,7 +23,7 @@ The ratios accum/plain and accum/built-in are taken within each round, side
 by side, so that a slow round (another process on the machine) slows every
 configuration of it alike. Each is reported as the median over the rounds
 with a 95% percentile-bootstrap confidence interval of that median (10,000
-resamples of the rounds, numpy, seed 0: ``_common.bootstrap_median_ci``);
+resamples of the rounds, numpy, seed 0: ``benchmarks._stats.bootstrap_median_ci``);
 quartiles, min and max are in the JSON. A "<= 3% overhead" claim holds for a
 configuration only where the interval's upper bound is <= 1.03 (the table's
 last column).
@@ -63,10 +63,8 @@ Writes ``<out>/overhead.json``, ``<out>/overhead.md`` and ``<out>/overhead.png``
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -75,7 +73,14 @@ if __package__ in (None, ""):  # `python benchmarks/overhead.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks._devices import configure_gpu, on_device, select_backend  # noqa: E402
+from benchmarks._env import backend_env, static_env, tf_env  # noqa: E402
+from benchmarks._models import build_model, make_batch, model_loss  # noqa: E402
+from benchmarks._output import MIB, Progress, fmt_ratio, format_table, pyplot, save_figure, write_outputs  # noqa: E402
+from benchmarks._profiles import (  # noqa: E402
+    MODEL_SIZES, add_backend_arg, apply_model_args, benchmark_parser, parse_str_list)
+from benchmarks._stats import summarize, summarize_with_ci  # noqa: E402
+from benchmarks._training import NotApplicable, copy_bandwidth, make_optimizer, make_train_step  # noqa: E402
 
 ALL_MODES = (("custom", False), ("custom", True), ("fit", False), ("fit", True))
 # The defaults of each loop: a custom loop's tf.function compiles without XLA;
@@ -130,13 +135,13 @@ class Config:
         self.kind, self.method, self.n, self.loop, self.jit = kind, method, n, loop, jit
         self.backend = backend
         self.label = "plain" if method == "plain" else f"{method} N={n}"
-        self.model = C.build_model(kind, size, seed=0)
-        x, y = C.make_batch(kind, size, batch, seed=1)
-        self.opt = C.make_optimizer(method, n)  # may raise NotApplicable
-        loss = C.model_loss(kind)
+        self.model = build_model(kind, size, seed=0)
+        x, y = make_batch(kind, size, batch, seed=1)
+        self.opt = make_optimizer(method, n)  # may raise NotApplicable
+        loss = model_loss(kind)
         if loop == "custom":
-            self.x, self.y = C.on_device(x, y)
-            self.step = C.make_train_step(self.model, self.opt, loss, jit_compile=jit)
+            self.x, self.y = on_device(x, y)
+            self.step = make_train_step(self.model, self.opt, loss, jit_compile=jit)
         elif backend != "tensorflow":  # fit on NumPy batches, repeated
             self.model.compile(optimizer=self.opt, loss=loss, jit_compile=jit)
             self.batch, self.xy = batch, (x, y)
@@ -197,7 +202,7 @@ def run_group(kind, size, batch, loop, jit, p, prog, backend="tensorflow") -> di
             configs.append(c)
             build_s[label] = time.perf_counter() - t0
             prog.step(f"{tag} {label}: built and traced", seconds=time.perf_counter() - t0)
-        except C.NotApplicable as e:
+        except NotApplicable as e:
             na[label] = str(e)
             prog.step(f"{tag} {label}", f"n/a ({e})")
         except Exception as e:  # Keras' built-in fails in some setups: report, don't stop
@@ -221,21 +226,21 @@ def run_group(kind, size, batch, loop, jit, p, prog, backend="tensorflow") -> di
         if num not in times or den not in times:
             return None
         rs = [a / b for a, b in zip(times[num], times[den])]
-        return C.summarize_with_ci(rs, CONFIDENCE)
+        return summarize_with_ci(rs, CONFIDENCE)
 
     def differences(num: str, den: str):
         if num not in times or den not in times:
             return None
-        return C.summarize_with_ci([a - b for a, b in zip(times[num], times[den])], CONFIDENCE)
+        return summarize_with_ci([a - b for a, b in zip(times[num], times[den])], CONFIDENCE)
 
     rows = []
     for n in p["ns"]:
         acc, bi = f"accum N={n}", f"builtin N={n}"
         rows.append({
             "n": n,
-            "plain_s": C.summarize(times["plain"]) if "plain" in times else None,
-            "accum_s": C.summarize(times[acc]) if acc in times else None,
-            "builtin_s": C.summarize(times[bi]) if bi in times else None,
+            "plain_s": summarize(times["plain"]) if "plain" in times else None,
+            "accum_s": summarize(times[acc]) if acc in times else None,
+            "builtin_s": summarize(times[bi]) if bi in times else None,
             "builtin_na": na.get(bi) or errors.get(bi),
             "accum_over_plain": ratios(acc, "plain"),
             "accum_over_builtin": ratios(acc, bi),
@@ -262,7 +267,7 @@ def _ms(s: dict | None) -> str:
 
 
 def _ratio(s: dict | None) -> str:
-    return "n/a" if s is None else C.fmt_ratio(s["median"], s["ci_low"], s["ci_high"])
+    return "n/a" if s is None else fmt_ratio(s["median"], s["ci_low"], s["ci_high"])
 
 
 def _claim(s: dict | None) -> str:
@@ -306,7 +311,7 @@ def table(data: dict, markdown: bool = False) -> str:
                          over, "0" if row["n"] == 1 else f"{1e3 * floor_s:.3f}", ratio,
                          _claim(row["accum_over_plain"]), _build_seconds(g, row["n"]),
                          _build_ratio(g, row["n"])])
-    lines = [C.format_table(headers, rows, markdown)]
+    lines = [format_table(headers, rows, markdown)]
     lines.append("")
     s = data["settings"]
     lines.append(f"Time per micro-step: median over {s['rounds']} interleaved rounds of the mean over a block "
@@ -328,13 +333,13 @@ def table(data: dict, markdown: bool = False) -> str:
         frac = (f", {100 * m['floor_seconds'] / min(plain):.2f}% of the fastest plain step "
                 f"({1e3 * min(plain):.2f} ms)") if plain else ""
         lines.append(f"floor ({kind}, micro-batch {m['micro_batch']}): 3 x 4 B x {m['param_count']:,} params = "
-                     f"{m['floor_bytes'] / C.MIB:.2f} MiB per micro-step at {bw / 1e9:.1f} GB/s "
+                     f"{m['floor_bytes'] / MIB:.2f} MiB per micro-step at {bw / 1e9:.1f} GB/s "
                      f"(measured assign_add) = {1e3 * m['floor_seconds']:.3f} ms{frac}" + ("  " if markdown else ""))
     return "\n".join(lines)
 
 
 def plot(data: dict, path: Path) -> Path:
-    plt = C.pyplot()
+    plt = pyplot()
     models = list(data["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
     for ax, kind in zip(axes[0], models):
@@ -366,39 +371,25 @@ def plot(data: dict, path: Path) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("AccumulatingOptimizer micro-step time relative to plain and to Keras' built-in")
-    return C.save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_profile_args(parser)
-    C.add_model_args(parser)
-    parser.add_argument("--modes", type=C.parse_str_list,
+    parser = benchmark_parser(__doc__, models=True)
+    parser.add_argument("--modes", type=parse_str_list,
                         help="comma list of custom-jit-off,custom-jit-on,fit-jit-off,fit-jit-on")
     parser.add_argument("--rounds", type=int, help="interleaved rounds")
     parser.add_argument("--block", type=int, help="micro-steps per block (rounded up to a multiple of every N)")
-    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
-                        default=os.environ.get("KERAS_BACKEND") or "tensorflow",
-                        help="the Keras backend (default: KERAS_BACKEND, else tensorflow); jax and torch: fit only")
+    add_backend_arg(parser, "; jax and torch: fit only")
     args = parser.parse_args(argv)
-    C.select_backend(parser, args.backend)
+    select_backend(parser, args.backend)
 
-    p = dict(PROFILES[args.profile])
-    for key in ("models", "rounds", "block"):
+    p = apply_model_args(parser, args, dict(PROFILES[args.profile]))
+    for key in ("rounds", "block"):
         if getattr(args, key):
-            p[key] = tuple(getattr(args, key)) if isinstance(getattr(args, key), list) else getattr(args, key)
-    unknown = [m for m in p["models"] if m not in C.ALL_MODELS]
-    if unknown:
-        parser.error(f"--models: unknown model(s) {unknown}; choose from {list(C.ALL_MODELS)}")
-    if args.batch:
-        p["batch"] = {k: args.batch for k in C.ALL_MODELS}
-    elif any(m not in p["batch"] for m in p["models"]):
-        parser.error(f"--models {','.join(p['models'])}: the {args.profile} profile has no micro-batch for "
-                     f"{[m for m in p['models'] if m not in p['batch']]}; pass --batch")
+            p[key] = getattr(args, key)
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds={args.rounds}: expected an int >= 1")
-    if args.n:
-        p["ns"] = tuple(args.n)
     if args.modes:
         valid = ("custom-jit-off", "custom-jit-on", "fit-jit-off", "fit-jit-on")
         bad = [m for m in args.modes if m not in valid]
@@ -418,21 +409,21 @@ def main(argv=None) -> int:
     p["block"] = -(-p["block"] // lcm) * lcm
 
     t_start = time.perf_counter()
-    env = C.static_env()
+    env = static_env()
     if args.backend == "tensorflow":
-        C.configure_gpu()
-        env.update(C.tf_env())
+        configure_gpu()
+        env.update(tf_env())
     else:
-        env.update(C.backend_env(args.backend))
+        env.update(backend_env(args.backend))
     modes_of = lambda kind: p["model_modes"].get(kind, p["modes"])  # noqa: E731
     n_groups = sum(len(modes_of(kind)) for kind in p["models"])
     per_group = 1 + 2 * len(p["ns"]) + 1
-    prog = C.Progress("overhead", n_groups * per_group + 1)
-    bw = C.copy_bandwidth(p["bandwidth_mib"], backend=args.backend)
+    prog = Progress("overhead", n_groups * per_group + 1)
+    bw = copy_bandwidth(p["bandwidth_mib"], backend=args.backend)
     prog.step("copy bandwidth (a += b, %d MiB)" % p["bandwidth_mib"], f"{bw['bytes_per_second'] / 1e9:.2f} GB/s")
     groups, models = [], {}
     for kind in p["models"]:
-        size = C.MODEL_SIZES[args.profile][kind]
+        size = MODEL_SIZES[args.profile][kind]
         for loop, jit in modes_of(kind):
             g = run_group(kind, size, p["batch"][kind], loop, jit, p, prog, args.backend)
             groups.append(g["result"])
@@ -462,7 +453,7 @@ def main(argv=None) -> int:
                "(the pass-through) and 16, XLA on and off in both loops, 50 rounds: "
                "`.venv/bin/python -m benchmarks.overhead --full`.")
     name = "overhead" if args.backend == "tensorflow" else f"overhead_{args.backend}"
-    C.write_outputs(args.out, name, data, md, plot, prog)
+    write_outputs(args.out, name, data, md, plot, prog)
     return 0
 
 

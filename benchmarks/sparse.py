@@ -56,7 +56,16 @@ if __package__ in (None, ""):  # `python benchmarks/sparse.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks import _training  # noqa: E402
+from benchmarks._devices import configure_gpu, on_device  # noqa: E402
+from benchmarks._env import static_env, tf_env  # noqa: E402
+from benchmarks._memory import PeakMemory  # noqa: E402
+from benchmarks._models import build_model, make_batch, model_loss  # noqa: E402
+from benchmarks._output import MIB, Progress, fmt_mib, format_table, print_and_write, pyplot, save_figure  # noqa: E402
+from benchmarks._profiles import benchmark_parser, parse_int_list  # noqa: E402
+from benchmarks._stats import summarize  # noqa: E402
+from benchmarks._training import accumulator_bytes, make_train_step, param_bytes, warm_up_runtime  # noqa: E402
+from benchmarks._workers import emit_result, run_workers  # noqa: E402
 
 PROFILES = {
     "tiny": dict(vocab=(1_000, 10_000), dim=64, batch=8, ids_per_example=4, n=8, windows=2, jobs=2,
@@ -71,12 +80,12 @@ LABELS = {"plain": "plain", "accum": "accum", "accum_dense": "accum, dense windo
 
 
 def make_optimizer(method: str, n: int, inner: str, lr: float):
-    """:func:`_common.make_optimizer`, plus ``accum_dense``: the
+    """:func:`benchmarks._training.make_optimizer`, plus ``accum_dense``: the
     AccumulatingOptimizer with its sparse window switched off (every window
     dense, as before the row trackers), for the side-by-side."""
     if method != "accum_dense":
-        return C.make_optimizer(method, n, inner, lr=lr)
-    opt = C.make_optimizer("accum", n, inner, lr=lr)
+        return _training.make_optimizer(method, n, inner, lr=lr)
+    opt = _training.make_optimizer("accum", n, inner, lr=lr)
     object.__setattr__(opt, "_sparse_windows", False)
     return opt
 
@@ -94,24 +103,24 @@ def worker(cfg: dict) -> dict:
     import os
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    gpu = C.configure_gpu()
-    out = {"env": C.tf_env(), "methods": {}}
+    gpu = configure_gpu()
+    out = {"env": tf_env(), "methods": {}}
     size = dict(vocab=cfg["vocab"], dim=cfg["dim"], ids_per_example=cfg["ids_per_example"])
     n, rounds = cfg["n"], max(cfg["windows"] - 1, 1)
-    C.warm_up_runtime("embedding", size)
+    warm_up_runtime("embedding", size)
     # Distinct micro-batches (a new draw of ids every micro-step), reused cyclically.
-    batches = [C.on_device(*C.make_batch("embedding", size, cfg["batch"], seed=1 + i)) for i in range(2 * n + 1)]
+    batches = [on_device(*make_batch("embedding", size, cfg["batch"], seed=1 + i)) for i in range(2 * n + 1)]
     runs = {}
     for method in cfg["methods"]:
-        model = C.build_model("embedding", size, seed=0)
-        r = {"table_bytes": C.param_bytes([model.get_layer("table").embeddings]),
-             "param_bytes": C.param_bytes(model.trainable_variables)}
+        model = build_model("embedding", size, seed=0)
+        r = {"table_bytes": param_bytes([model.get_layer("table").embeddings]),
+             "param_bytes": param_bytes(model.trainable_variables)}
         gc.collect()
-        mem = C.PeakMemory(gpu)
+        mem = PeakMemory(gpu)
         mem.start()
         try:
             opt = make_optimizer(method, n, cfg["inner"], lr=1e-2)
-            step = C.make_train_step(model, opt, C.model_loss("embedding"))
+            step = make_train_step(model, opt, model_loss("embedding"))
             for i in range(n + 1):  # a window (trace, first update), then one accumulate-only step
                 step(*batches[i % len(batches)]).numpy()
         except Exception as e:  # Keras' built-in may fail in some setups: report, go on
@@ -119,11 +128,11 @@ def worker(cfg: dict) -> dict:
             continue
         gc.collect()
         r.update(mem.stop())
-        r["optimizer_state_bytes"] = C.param_bytes(opt.variables)
-        r["accumulator_bytes"] = C.accumulator_bytes(opt)
+        r["optimizer_state_bytes"] = param_bytes(opt.variables)
+        r["accumulator_bytes"] = accumulator_bytes(opt)
         trackers = list(getattr(opt, "touched_rows", None) or [])
-        r["row_tracker_bytes"] = C.param_bytes(trackers)
-        r["table_tracker_bytes"] = C.param_bytes([t for t in trackers if tuple(t.shape) == (cfg["vocab"],)])
+        r["row_tracker_bytes"] = param_bytes(trackers)
+        r["table_tracker_bytes"] = param_bytes([t for t in trackers if tuple(t.shape) == (cfg["vocab"],)])
         runs[method] = {"model": model, "opt": opt, "step": step, "taken": n + 1, "times": []}
         out["methods"][method] = r
     order = list(runs)
@@ -150,13 +159,13 @@ def worker(cfg: dict) -> dict:
             accumulate = [t for i, t in timed if i % n]
             update = [t for i, t in timed if i % n == 0]
         r["times_s"] = [t for _, t in timed]
-        r["accumulate_step_s"] = C.summarize(accumulate) if accumulate else None
-        r["update_step_s"] = C.summarize(update) if update else None
+        r["accumulate_step_s"] = summarize(accumulate) if accumulate else None
+        r["update_step_s"] = summarize(update) if update else None
         # Per window of N consecutive micro-steps (one update each), the mean
         # time per micro-step; the median over windows is robust to a rare
         # one-off stall (allocator growth, a re-optimised function).
         window_means = [statistics.fmean(t for _, t in timed[w:w + n]) for w in range(0, len(timed), n)]
-        r["window_mean_step_s"] = C.summarize(window_means)
+        r["window_mean_step_s"] = summarize(window_means)
         r["mean_step_s"] = r["window_mean_step_s"]["median"]
         r["mean_step_s_all"] = statistics.fmean(t for _, t in timed)
         r["micro_steps_taken"] = run["taken"]
@@ -176,7 +185,7 @@ def _mem(r, which: str, key: str = "delta") -> str:
     if not r or r.get("status") != "ok":
         return (r or {}).get("status", "n/a")
     fig = r["rss"] if which == "rss" else r.get("tf_allocator")
-    return "n/a" if not fig else C.fmt_mib(fig[key], 0)
+    return "n/a" if not fig else fmt_mib(fig[key], 0)
 
 
 def table(data: dict, markdown: bool = False) -> str:
@@ -185,7 +194,7 @@ def table(data: dict, markdown: bool = False) -> str:
     for v in p["vocab"]:
         r = {m: data["results"].get(f"{m}/{v}") for m in METHOD_ORDER}
         ok = {m: x for m, x in r.items() if x and x.get("status") == "ok"}
-        cells = [f"{v:,}", f"{v * p['dim'] * 4 / C.MIB:.0f}"]
+        cells = [f"{v:,}", f"{v * p['dim'] * 4 / MIB:.0f}"]
         cells.append(_ms(ok["plain"]["update_step_s"]) if "plain" in ok else (r["plain"] or {}).get("status", "n/a"))
         for m in ("accum", "accum_dense", "builtin"):
             if m in ok:
@@ -194,8 +203,8 @@ def table(data: dict, markdown: bool = False) -> str:
                 cells += [(r[m] or {}).get("status", "n/a"), "", ""]
         rows.append(cells)
         tracker = (ok.get("accum") or {}).get("table_tracker_bytes")
-        mcells = [f"{v:,}", f"{v * p['dim'] * 4 / C.MIB:.0f}",
-                  "n/a" if tracker is None else f"{tracker / C.MIB:.2f}"]
+        mcells = [f"{v:,}", f"{v * p['dim'] * 4 / MIB:.0f}",
+                  "n/a" if tracker is None else f"{tracker / MIB:.2f}"]
         for m in METHOD_ORDER:
             mcells += [_mem(r[m], "tensors"), _mem(r[m], "tensors", "resident")]
         mem_rows.append(mcells)
@@ -205,7 +214,7 @@ def table(data: dict, markdown: bool = False) -> str:
     mem_headers = ["V", "table MiB", "row tracker MiB", "plain: peak", "resident", "accum: peak", "resident",
                    "accum, dense window: peak", "resident", "built-in: peak", "resident"]
     s = data["scaling"]
-    lines = [C.format_table(headers, rows, markdown), "",
+    lines = [format_table(headers, rows, markdown), "",
              f"Time per micro-step, ms. N={p['n']}, {p['batch'] * p['ids_per_example']} ids per micro-batch, "
              f"inner {p['inner']}; 'acc' = median accumulate-only micro-step, 'update' = median update step, "
              "'mean' = median over windows of the window's mean time per micro-step (the amortised cost; plain: "
@@ -221,7 +230,7 @@ def table(data: dict, markdown: bool = False) -> str:
                          "(0 = independent of V, 1 = proportional to V)")
     for line in targets(data):
         lines.append(line)
-    lines += ["", C.format_table(mem_headers, mem_rows, markdown), "",
+    lines += ["", format_table(mem_headers, mem_rows, markdown), "",
               f"Memory, MiB of {data['memory_label']} tensor memory above the built model, over the first window "
               "and one more accumulate-only micro-step: 'peak', and 'resident' (still allocated at the end: "
               "optimizer state, accumulators and any constants the step keeps). 'row tracker': the "
@@ -253,8 +262,8 @@ def targets(data: dict) -> list[str]:
     if ok("accum", big):
         r = res[f"accum/{big}"]
         bound = 1.1 * (r["table_bytes"] + r["accumulator_bytes"]["slots"])
-        out.append(f"  peak <= (table + accumulator) x 1.1 = {bound / C.MIB:.0f} MiB: "
-                   f"{_peak_tensors(r) / C.MIB:.0f} MiB")
+        out.append(f"  peak <= (table + accumulator) x 1.1 = {bound / MIB:.0f} MiB: "
+                   f"{_peak_tensors(r) / MIB:.0f} MiB")
     return out
 
 
@@ -291,7 +300,7 @@ def _peak_tensors(r: dict) -> int:
 
 
 def plot(data: dict, path: Path) -> Path:
-    plt = C.pyplot()
+    plt = pyplot()
     p = data["settings"]
     fig, (ax, axm) = plt.subplots(1, 2, figsize=(12, 4.5))
     series = [("plain", "update_step_s", "plain optimizer, every step", "tab:gray", "-", "o"),
@@ -322,18 +331,18 @@ def plot(data: dict, path: Path) -> Path:
                                     ("accum", "AccumulatingOptimizer", "tab:blue", "s"),
                                     ("accum_dense", "AccumulatingOptimizer, dense window", "tab:purple", "D"),
                                     ("builtin", "Keras built-in", "tab:orange", "^")):
-        xy = [(v, _peak_tensors(data["results"][f"{m}/{v}"]) / C.MIB) for v in p["vocab"]
+        xy = [(v, _peak_tensors(data["results"][f"{m}/{v}"]) / MIB) for v in p["vocab"]
               if data["results"].get(f"{m}/{v}", {}).get("status") == "ok"]
         if xy:
             axm.plot([a for a, _ in xy], [b for _, b in xy], marker=marker, color=color, label=f"{label}, peak")
-        xr = [(v, data["results"][f"{m}/{v}"]["tf_allocator"]["resident"] / C.MIB) for v in p["vocab"]
+        xr = [(v, data["results"][f"{m}/{v}"]["tf_allocator"]["resident"] / MIB) for v in p["vocab"]
               if data["results"].get(f"{m}/{v}", {}).get("status") == "ok"
               and data["results"][f"{m}/{v}"].get("tf_allocator")
               and data["results"][f"{m}/{v}"]["tf_allocator"]["resident"] > 0]
         if xr and m != "plain":
             axm.plot([a for a, _ in xr], [b for _, b in xr], marker=marker, color=color, ls="--",
                      label=f"{label}, still allocated after training")
-    axm.plot(p["vocab"], [v * p["dim"] * 4 / C.MIB for v in p["vocab"]], color="tab:green", ls=":",
+    axm.plot(p["vocab"], [v * p["dim"] * 4 / MIB for v in p["vocab"]], color="tab:green", ls=":",
              label="one float32 copy of the table")
     axm.set_xscale("log")
     axm.set_yscale("log")
@@ -345,13 +354,12 @@ def plot(data: dict, path: Path) -> Path:
     axm.grid(True, which="both", alpha=0.3)
     axm.legend(fontsize=7)
     fig.suptitle("Sparse (Embedding) gradients: cost against table size")
-    return C.save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_profile_args(parser)
-    parser.add_argument("--vocab", type=C.parse_int_list, help="comma list of table sizes V")
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--vocab", type=parse_int_list, help="comma list of table sizes V")
     parser.add_argument("--n", type=int, help="accumulation steps N (default 8)")
     parser.add_argument("--windows", type=int, help="windows of N micro-steps per run (the first is warm-up)")
     parser.add_argument("--inner", choices=("sgd", "adam"), default="sgd", help="inner optimizer (default sgd)")
@@ -359,7 +367,7 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        C.emit_result(worker(json.loads(args.worker)))
+        emit_result(worker(json.loads(args.worker)))
         return 0
 
     p = dict(PROFILES[args.profile], inner=args.inner)
@@ -368,11 +376,11 @@ def main(argv=None) -> int:
             p[key] = tuple(getattr(args, key)) if key == "vocab" else getattr(args, key)
     p["windows"] = max(p["windows"], 2)
     t_start = time.perf_counter()
-    env = C.static_env()
+    env = static_env()
     configs = [dict(vocab=v, dim=p["dim"], batch=p["batch"], ids_per_example=p["ids_per_example"],
                     n=p["n"], windows=p["windows"], inner=p["inner"], methods=METHOD_ORDER)
                for v in p["vocab"]]
-    prog = C.Progress("sparse", len(configs))
+    prog = Progress("sparse", len(configs))
     prog.note(f"profile={args.profile}: {len(configs)} table sizes, each in a fresh subprocess "
               f"running {', '.join(METHOD_ORDER)} side by side")
     results, tfenv = {}, {}
@@ -390,12 +398,12 @@ def main(argv=None) -> int:
             r = w["methods"].get(m, {"status": "missing"})
             results[f"{m}/{v}"] = r
             if r.get("status") == "ok":
-                parts.append(f"{m} {1e3 * r['mean_step_s']:.2f} ms, {C.fmt_mib(_peak_tensors(r), 0)} MiB")
+                parts.append(f"{m} {1e3 * r['mean_step_s']:.2f} ms, {fmt_mib(_peak_tensors(r), 0)} MiB")
             else:
                 parts.append(f"{m} {r.get('status')} ({r.get('reason', '')[:100]})")
         prog.step(f"V={v:,} (mean time per micro-step, peak memory)", "; ".join(parts), w.get("seconds"))
 
-    C.run_workers("benchmarks.sparse", configs, p["jobs"], p["timeout"], done)
+    run_workers("benchmarks.sparse", configs, p["jobs"], p["timeout"], done)
     env.update(tfenv)
     gpu = bool(tfenv.get("gpu_count"))
     data = {"benchmark": "sparse", "profile": args.profile, "env": env,
@@ -404,10 +412,7 @@ def main(argv=None) -> int:
             "results": results}
     data["scaling"] = scaling(results, p["vocab"])
     data["wall_seconds"] = time.perf_counter() - t_start
-    print()
-    print(table(data))
-    C.write_outputs(args.out, "sparse", data, table(data, markdown=True), plot, prog)
-    return 0
+    return print_and_write(args.out, "sparse", data, table(data), table(data, markdown=True), plot, prog)
 
 
 if __name__ == "__main__":

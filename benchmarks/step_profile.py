@@ -34,7 +34,6 @@ Writes ``<out>/step_profile.json``, ``.md`` and ``.png``;
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import math
@@ -48,7 +47,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks._devices import configure_gpu, on_device, select_backend  # noqa: E402
+from benchmarks._env import static_env, tf_env  # noqa: E402
+from benchmarks._models import build_model, make_batch, model_loss  # noqa: E402
+from benchmarks._output import Progress, fmt_ratio, format_table, pyplot, save_figure, write_outputs  # noqa: E402
+from benchmarks._profiles import MODEL_SIZES, benchmark_parser  # noqa: E402
+from benchmarks._stats import summarize_with_ci  # noqa: E402
+from benchmarks._training import make_optimizer, make_train_step  # noqa: E402
 
 PROFILES = {
     "tiny": dict(model="transformer_wide", sizes="tiny", batch=1, n=2, rounds=3, traced=1, jit=(False, True)),
@@ -142,12 +147,12 @@ class Step:
 
         keras.backend.clear_session()
         gc.collect()
-        kind, size = p["model"], C.MODEL_SIZES[p["sizes"]][p["model"]]
+        kind, size = p["model"], MODEL_SIZES[p["sizes"]][p["model"]]
         t0 = time.perf_counter()
-        self.model = C.build_model(kind, size, seed=0)
-        self.x, self.y = C.on_device(*C.make_batch(kind, size, p["batch"], seed=1))
-        self.opt = C.make_optimizer(method, p["n"])
-        self.step = C.make_train_step(self.model, self.opt, C.model_loss(kind), jit_compile=jit)
+        self.model = build_model(kind, size, seed=0)
+        self.x, self.y = on_device(*make_batch(kind, size, p["batch"], seed=1))
+        self.opt = make_optimizer(method, p["n"])
+        self.step = make_train_step(self.model, self.opt, model_loss(kind), jit_compile=jit)
         t1 = time.perf_counter()
         concrete = self.step.get_concrete_function(self.x, self.y)
         t2 = time.perf_counter()
@@ -211,9 +216,9 @@ def run_mode(p: dict, jit: bool, prog) -> dict:
             times[method]["accumulate"].append(sum(window[:-1]) / (len(window) - 1))
             times[method]["update"].append(window[-1])
     prog.step(f"jit={'on' if jit else 'off'}: timed {p['rounds']} interleaved windows of each")
-    ratios = {k: C.summarize_with_ci([a / b for a, b in zip(times["accum"][k], times["builtin"][k])], CONFIDENCE)
+    ratios = {k: summarize_with_ci([a / b for a, b in zip(times["accum"][k], times["builtin"][k])], CONFIDENCE)
               for k in KINDS}
-    mean_ratio = C.summarize_with_ci(
+    mean_ratio = summarize_with_ci(
         [((p["n"] - 1) * aa + au) / ((p["n"] - 1) * ba + bu) for aa, au, ba, bu in zip(
             times["accum"]["accumulate"], times["accum"]["update"],
             times["builtin"]["accumulate"], times["builtin"]["update"])], CONFIDENCE)
@@ -252,11 +257,11 @@ def table(data: dict) -> str:
             r = g["accum_over_builtin"][kind]
             rows.append([jit, f"{kind}{' (each of N-1)' if kind == 'accumulate' else ''}",
                          _ms(g["times_s"]["accum"][kind]), _ms(g["times_s"]["builtin"][kind]),
-                         C.fmt_ratio(r["median"], r["ci_low"], r["ci_high"])])
+                         fmt_ratio(r["median"], r["ci_low"], r["ci_high"])])
         w = g["accum_over_builtin_per_window"]
-        rows.append([jit, "whole window (mean)", "", "", C.fmt_ratio(w["median"], w["ci_low"], w["ci_high"])])
+        rows.append([jit, "whole window (mean)", "", "", fmt_ratio(w["median"], w["ci_low"], w["ci_high"])])
     lines += ["**Time per micro-step** (median over rounds; ratios within each round)", "",
-              C.format_table(headers, rows, True), ""]
+              format_table(headers, rows, True), ""]
     headers = ["jit", "optimizer", "trace s", "first call s", "build + trace s", "graph ops (top level + in functions)",
                "functions"]
     rows = []
@@ -268,7 +273,7 @@ def table(data: dict) -> str:
                          f"{b['graph']['all_ops']:,} ({b['graph']['top_level_ops']:,} + "
                          f"{b['graph']['ops_in_functions']:,})", b["graph"]["functions"]])
     lines += ["**Build and trace** (one run each; the first call includes graph optimisation)", "",
-              C.format_table(headers, rows, True), ""]
+              format_table(headers, rows, True), ""]
     for g in data["groups"]:
         if g["jit_compile"]:
             continue
@@ -300,14 +305,14 @@ def table(data: dict) -> str:
             lines += [f"**Ops of one {kind} micro-step** (jit off; count: ops of that kind of micro-step in the "
                       "traced graph, before TensorFlow's graph optimizer; ms: TensorFlow's profiler, mean over "
                       f"{s['traced']} traced micro-steps, summed over the executor's threads)", "",
-                      C.format_table(headers, rows, True), ""]
+                      format_table(headers, rows, True), ""]
     lines.append(f"Produced by `.venv/bin/python -m benchmarks.step_profile{'' if data['profile'] == 'quick' else ' --' + data['profile']}`; "
                  "explained in docs/performance.md.")
     return "\n".join(lines)
 
 
 def plot(data: dict, path: Path) -> Path:
-    plt = C.pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(KINDS), figsize=(12, 4.5), squeeze=False)
     group = next((g for g in data["groups"] if not g["jit_compile"]), data["groups"][0])
     for ax, kind in zip(axes[0], KINDS):
@@ -324,16 +329,15 @@ def plot(data: dict, path: Path) -> Path:
         ax.set_title(f"{kind} micro-step, jit {'on' if group['jit_compile'] else 'off'}", fontsize=10)
         ax.legend(fontsize=8)
     fig.suptitle(f"{data['settings']['model']}: time by op type, AccumulatingOptimizer vs Keras' built-in")
-    return C.save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_profile_args(parser)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--rounds", type=int, help="interleaved rounds (windows of each optimizer)")
     parser.add_argument("--traced", type=int, help="profiled micro-steps of each kind")
     args = parser.parse_args(argv)
-    C.select_backend(parser, "tensorflow")
+    select_backend(parser, "tensorflow")
     p = dict(PROFILES[args.profile])
     for key in ("rounds", "traced"):
         value = getattr(args, key)
@@ -342,17 +346,17 @@ def main(argv=None) -> int:
                 parser.error(f"--{key}={value}: expected an int >= 1")
             p[key] = value
     t_start = time.perf_counter()
-    env = C.static_env()
-    C.configure_gpu()
-    env.update(C.tf_env())
-    prog = C.Progress("step_profile", len(p["jit"]) * (len(METHODS) + 2))
+    env = static_env()
+    configure_gpu()
+    env.update(tf_env())
+    prog = Progress("step_profile", len(p["jit"]) * (len(METHODS) + 2))
     groups = [run_mode(p, jit, prog) for jit in p["jit"]]
     data = {"benchmark": "step_profile", "profile": args.profile, "env": env, "settings": p,
             "param_count": groups[0]["param_count"], "groups": groups, "wall_seconds": time.perf_counter() - t_start}
     md = table(data)
     print()
     print(md)
-    C.write_outputs(args.out, "step_profile", data, md, plot, prog)
+    write_outputs(args.out, "step_profile", data, md, plot, prog)
     return 0
 
 

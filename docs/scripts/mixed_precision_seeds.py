@@ -1,7 +1,7 @@
-"""The mixed-precision equivalence table of ``benchmarks.mixed_precision`` over
+"""The mixed-precision equivalence table of ``experiments.mixed_precision`` over
 several seeds.
 
-``benchmarks.mixed_precision`` (and ``tests/keras3/test_mixed_precision.py``) train
+``experiments.mixed_precision`` (and ``tests/keras3/test_mixed_precision.py``) train
 one seed: initial weights from seed 0, data from ``default_rng(1)``. This
 script repeats the benchmark's runs, with the benchmark's own functions, for
 seed ``s`` = initial weights from ``s`` and data from ``default_rng(s + 1)``
@@ -40,7 +40,7 @@ def main() -> None:
     import numpy as np
 
     from accum_optimizer import AccumulatingOptimizer
-    from benchmarks import mixed_precision as M
+    from experiments import mixed_precision as M
     from support.reference import epsilon_16, mixed_precision_tolerance  # the tests' tolerance, as the benchmark
 
     model = M._model

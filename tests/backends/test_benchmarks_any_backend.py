@@ -63,13 +63,13 @@ def test_memory_measures_the_four_cases(tmp_path):
 
 
 def test_mixed_precision_accumulates_within_the_tolerance_and_as_close_as_the_builtin(tmp_path):
-    """``benchmarks.mixed_precision`` at 2 updates: under each mixed policy the
+    """``experiments.mixed_precision`` at 2 updates: under each mixed policy the
     accumulated weights are within the tests' tolerance of the large batch's
     (:func:`support.precision.mixed_precision_tolerance`), and with a constant
     learning rate (where Keras' built-in accumulation is exact) no further
     from it than the built-in's."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.mixed_precision", "--backend", BACKEND, "--updates", "2",
+        [sys.executable, "-m", "experiments.mixed_precision", "--backend", BACKEND, "--updates", "2",
          "--out", str(tmp_path)],
         cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900,
     )

@@ -1,10 +1,11 @@
 """One gradient reduction per window under ``keras.distribution.DataParallel`` on JAX.
 
 The compiled train step's optimized HLO and the exactness over four
-simulated CPU devices are measured by ``benchmarks.jax_reduction --check``
-in a fresh process (``--xla_force_host_platform_device_count=4`` must be
-set before JAX starts; the test only reads its JSON line, as the layouts
-test does). The reference for the weights is one device's
+simulated CPU devices are measured by ``tests/support/jax_reduction.py``
+(``python -m support.jax_reduction``) in a fresh process
+(``--xla_force_host_platform_device_count=4`` must be set before JAX
+starts); the test reads its JSON line. ``benchmarks/jax_reduction.py``
+reports the same reading beside its timings. The reference for the weights is one device's
 ``fit(batch_size=N*B)`` with the plain inner optimizer (no distribution, no
 accumulation). The in-process tests use one device (``DataParallel`` over
 the single CPU device: the same code path, no reduction to count).
@@ -27,13 +28,16 @@ if not keras.__version__.startswith("3."):
 BACKEND = keras.backend.backend()
 on_jax = pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution.DataParallel with shard_map: JAX only")
 TOL = 1e-5
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.jax_reduction", "--check"], capture_output=True,
+    """``support.jax_reduction.check()`` on 4 CPU devices (a fresh process:
+    this one's JAX has started with 1)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, TESTS, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-m", "support.jax_reduction"], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

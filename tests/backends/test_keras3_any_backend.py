@@ -557,7 +557,7 @@ def test_jax_data_parallel_over_two_devices_trains_like_the_single_device_large_
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution.ModelParallel over 4 CPU devices: JAX only")
 def test_jax_model_parallel_accumulators_have_their_variables_layout():
     """``keras.distribution.ModelParallel`` over a 2x2 mesh of CPU devices
-    (``benchmarks.jax_layouts``, a fresh process), tensor-parallel kernels
+    (``experiments.jax_layouts``, a fresh process), tensor-parallel kernels
     and an FSDP-style layout sharding every kernel over both axes: each
     accumulator has its variable's sharding, each row tracker the
     variable's first-axis sharding, the counters are replicated, the
@@ -566,7 +566,7 @@ def test_jax_model_parallel_accumulators_have_their_variables_layout():
     N = 3 micro-batches of 4 train like one device's ``fit(batch_size=12)``."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.jax_layouts", "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "experiments.jax_layouts", "--json"], capture_output=True,
                          text=True, env=env, cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     import json

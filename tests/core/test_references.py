@@ -3,8 +3,8 @@ statically (no import: no framework needed, so it runs in every leg).
 
 * **Test paths**: each ``tests/<dir>/<name>.py`` path named in the package
   (``accum_optimizer/**/*.py``), the docs (``docs/**/*.md``), ``README.md``,
-  the tests (``tests/**/*.py``), ``benchmarks/``, ``examples/``, the
-  ``Makefile`` and ``.ci/`` exists, and for ``path.py::name`` (or
+  the tests (``tests/**/*.py``), ``benchmarks/``, ``experiments/``,
+  ``examples/``, the ``Makefile`` and ``.ci/`` exists, and for ``path.py::name`` (or
   ``::Class::name``, a ``[parameter]`` suffix ignored) the file defines that
   test function or class (read with ``ast``). ``CHANGELOG.md`` is not read:
   its entries name the paths of their day, and old ones no longer exist
@@ -21,12 +21,16 @@ statically (no import: no framework needed, so it runs in every leg).
   ``self.x = ...`` in its methods, or a base class of the package's; a class
   with a base from outside the package may inherit the name from there).
   References to other libraries (``keras.*``, ``tf.*``) are not checked.
-* **Tests do not import ``benchmarks``**: the benchmarks are a tool the tests
-  run as processes (``python -m benchmarks ...``); what both need (the
-  multi-worker launcher, the collective counter) lives in ``tests/support/``.
+* **Tests import neither ``benchmarks`` nor ``experiments``**: the benchmarks
+  and the correctness studies are tools the tests run as processes
+  (``python -m benchmarks ...``); what a tool and the tests both need (the
+  multi-worker launcher, the collective counter, the caveats' cases, the JAX
+  all-reduce check) lives in ``tests/support/``, which the tools import
+  (``tests/`` on ``sys.path``), never the other way round.
 
 Each check is shown to fail on a file holding a stale path, a bad reference
-or an import of ``benchmarks`` (the ``test_*_catches_*`` tests below).
+or an import of ``benchmarks`` or ``experiments`` (the ``test_*_catches_*``
+tests below).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def scanned_files(root: Path = ROOT) -> list[Path]:
     """The files whose references are checked (CHANGELOG.md is not: see the
     module docstring)."""
     globs = [f"{PACKAGE}/**/*.py", "docs/**/*.md", "README.md", "tests/**/*.py", "benchmarks/**/*.py",
-             "benchmarks/**/*.md", "examples/**/*.py", "Makefile", ".ci/*"]
+             "benchmarks/**/*.md", "experiments/**/*.py", "examples/**/*.py", "Makefile", ".ci/*"]
     files = {p for g in globs for p in root.glob(g) if p.is_file()}
     return sorted(p for p in files if "__pycache__" not in p.parts)
 
@@ -332,19 +336,23 @@ def bad_api_references(root: Path = ROOT, files: list[Path] | None = None) -> li
     return problems
 
 
-# ---------------------------------------------- tests import no benchmarks
-def benchmark_imports(root: Path = ROOT) -> list[str]:
-    """``file:line`` of every import of ``benchmarks`` in a module under tests/."""
+# ------------------------------- tests import no benchmarks, no experiments
+TOOLS = ("benchmarks", "experiments")
+
+
+def tool_imports(root: Path = ROOT) -> list[str]:
+    """``file:line`` of every import of a tool (:data:`TOOLS`) in a module
+    under tests/."""
     found = []
     for f in sorted((root / "tests").rglob("*.py")):
-        for node in ast.walk(_parse(f)):
+        for node in sorted(ast.walk(_parse(f)), key=lambda n: getattr(n, "lineno", 0)):
             if isinstance(node, ast.Import):
                 modules = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 modules = [node.module or ""]
             else:
                 continue
-            if any(m == "benchmarks" or m.startswith("benchmarks.") for m in modules):
+            if any(m.split(".")[0] in TOOLS for m in modules):
                 found.append(f"{f.relative_to(root)}:{node.lineno}")
     return found
 
@@ -358,14 +366,15 @@ def test_every_api_reference_resolves():
     assert bad_api_references() == []
 
 
-def test_no_test_imports_benchmarks():
-    assert benchmark_imports() == []
+def test_no_test_imports_benchmarks_or_experiments():
+    assert tool_imports() == []
 
 
 def test_the_scan_reads_the_sources_the_docs_and_the_tools_but_not_the_changelog():
     files = {p.relative_to(ROOT).as_posix() for p in scanned_files()}
     assert {"README.md", "Makefile", ".ci/run", f"{PACKAGE}/__init__.py", "docs/index.md",
-            "tests/core/test_references.py", "examples/multiworker.py", "benchmarks/distributed.py"} <= files
+            "tests/core/test_references.py", "examples/multiworker.py", "benchmarks/distributed.py",
+            "experiments/caveats.py"} <= files
     assert "CHANGELOG.md" not in files
 
 
@@ -434,14 +443,17 @@ def test_api_reference_check_catches_bad_references(tmp_path):
     ]
 
 
-def test_benchmark_import_check_catches_imports(tmp_path):
+def test_tool_import_check_catches_imports(tmp_path):
     (tmp_path / "tests" / "support").mkdir(parents=True)
     (tmp_path / "tests" / "support" / "ok.py").write_text(
-        "import benchmarks_of_something_else\nfrom .benchmarks import x\ncmd = 'python -m benchmarks --tiny'\n")
+        "import benchmarks_of_something_else\nfrom .benchmarks import x\ncmd = 'python -m benchmarks --tiny'\n"
+        "import experimental\nfrom .experiments import y\n")
     (tmp_path / "tests" / "test_a.py").write_text(
-        "import os\nfrom benchmarks._cluster import Cluster\n\ndef f():\n    import benchmarks.memory as m\n")
+        "import os\nfrom benchmarks._cluster import Cluster\n\ndef f():\n    import benchmarks.memory as m\n"
+        "import experiments\nfrom experiments.caveats import case_gan\n")
     t = "tests"  # (so that this file names no path of its own that does not exist)
-    assert benchmark_imports(tmp_path) == [f"{t}/test_a.py:2", f"{t}/test_a.py:5"]
+    assert tool_imports(tmp_path) == [f"{t}/test_a.py:2", f"{t}/test_a.py:5", f"{t}/test_a.py:6",
+                                      f"{t}/test_a.py:7"]
 
 
 @pytest.mark.parametrize("text, expected", [  # P: the package (this file names none of its own)

@@ -221,10 +221,10 @@ def test_bootstrap_interval_matches_exact_bootstrap():
     assert "`confidence`=1.5" in got["confidence"]
 
 
-# `benchmarks._common`'s statistics (no TensorFlow import), in a process of their own.
+# `benchmarks._stats`' statistics (no TensorFlow import), in a process of their own.
 _BOOTSTRAP = r"""
 import json, sys
-from benchmarks import _common as C
+from benchmarks import _stats as C
 
 values = json.loads(sys.argv[1])
 

@@ -1,7 +1,7 @@
 """Shardings and bytes per device of the wrapper's state under ``keras.distribution.ModelParallel`` (JAX).
 
-    KERAS_BACKEND=jax python -m benchmarks.jax_layouts          # a table per layout
-    KERAS_BACKEND=jax python -m benchmarks.jax_layouts --json   # one JSON line (what the test reads)
+    KERAS_BACKEND=jax python -m experiments.jax_layouts          # a table per layout
+    KERAS_BACKEND=jax python -m experiments.jax_layouts --json   # one JSON line (what the test reads)
 
 Four CPU devices (``--xla_force_host_platform_device_count=4``, set here before
 JAX starts: run it as a fresh process), a 2x2 ``DeviceMesh`` with axes

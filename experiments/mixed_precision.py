@@ -18,8 +18,8 @@ for that case (``tests/support/precision.py: mixed_precision_tolerance``, n/a wh
 learning-rate schedule makes it inapplicable), and how far the weights moved.
 Run::
 
-    .venv/bin/python -m benchmarks.mixed_precision [--out bench_output] [--updates 20]
-    .venvs/k3-jax/bin/python -m benchmarks.mixed_precision --backend jax --out docs/benchmarks/backends
+    .venv/bin/python -m experiments.mixed_precision [--out bench_output] [--updates 20]
+    .venvs/k3-jax/bin/python -m experiments.mixed_precision --backend jax --out docs/benchmarks/backends
 
 ``--backend jax|torch`` (default: ``KERAS_BACKEND``, else tensorflow) runs the
 same fits on that Keras backend (no TensorFlow needed; a venv with it:
@@ -36,8 +36,6 @@ It writes ``mixed_precision.json`` (raw figures, versions) and
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 import warnings
@@ -45,9 +43,12 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+    __package__ = "experiments"
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks._devices import select_backend  # noqa: E402
+from benchmarks._env import backend_env, static_env, tests_support, tf_env  # noqa: E402
+from benchmarks._output import Progress, clean_floats, format_table, write_json  # noqa: E402
+from benchmarks._profiles import add_backend_arg, benchmark_parser  # noqa: E402
 
 N, B = 4, 8
 POLICIES = ("mixed_float16", "mixed_bfloat16", "float32")
@@ -108,23 +109,21 @@ def _diff(a, b):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, profiles=False)
     parser.add_argument("--out", default="bench_output", help="output folder (default: bench_output)")
     parser.add_argument("--updates", type=int, default=20, help="updates per run (default: 20)")
-    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
-                        default=os.environ.get("KERAS_BACKEND") or "tensorflow",
-                        help="the Keras backend (default: KERAS_BACKEND, else tensorflow)")
+    add_backend_arg(parser)
     args = parser.parse_args(argv)
     if args.updates < 1:
         parser.error(f"--updates={args.updates}: expected an int >= 1")
-    C.select_backend(parser, args.backend)
-    env = C.static_env()
-    env.update(C.tf_env() if args.backend == "tensorflow" else C.backend_env(args.backend))
+    select_backend(parser, args.backend)
+    env = static_env()
+    env.update(tf_env() if args.backend == "tensorflow" else backend_env(args.backend))
     warnings.filterwarnings("ignore", message=".*shuffle=True.*")
 
     import numpy as np
 
-    sys.path.insert(0, str(C.REPO_ROOT / "tests"))
+    tests_support()
     from support.precision import epsilon_16, mixed_precision_tolerance  # the tests' tolerance (NumPy only)
 
     from accum_optimizer import AccumulatingOptimizer
@@ -134,7 +133,7 @@ def main(argv=None) -> int:
     y = rng.normal(size=(N * B * args.updates, 3)).astype("float32")
     optimizers = _optimizers()
     jit = args.backend == "jax"  # each backend's default: XLA on JAX, eager on torch; TF: no XLA
-    prog = C.Progress("mixed_precision", len(POLICIES) * len(optimizers))
+    prog = Progress("mixed_precision", len(POLICIES) * len(optimizers))
     rows, results = [], []
     for policy in POLICIES:
         for name, make in optimizers.items():
@@ -169,17 +168,17 @@ def main(argv=None) -> int:
              f"(N={N}, B={B}, model.fit{'' if args.backend == 'tensorflow' else ', Keras on ' + args.backend}"
              f"{', jit_compile' if jit else ''})")
     print(title)
-    print(C.format_table(headers, rows))
+    print(format_table(headers, rows))
     out = Path(args.out)
     python = ".venv/bin/python" if args.backend == "tensorflow" else f".venvs/k3-{args.backend}/bin/python"
-    command = " ".join([python, "-m", "benchmarks.mixed_precision", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join([python, "-m", "experiments.mixed_precision", *(argv if argv is not None else sys.argv[1:])])
     data = {"N": N, "B": B, "updates": args.updates, "results": results, "env": env, "command": command}
     if args.backend != "tensorflow":
         data.update(backend=args.backend, jit_compile=jit)
     name = "mixed_precision" if args.backend == "tensorflow" else f"mixed_precision_{args.backend}"
-    C.write_json(out / f"{name}.json", C.clean_floats(data))
+    write_json(out / f"{name}.json", clean_floats(data))
     (out / f"{name}.md").write_text(
-        f"{title}\n\n{C.format_table(headers, rows, markdown=True)}\n\nProduced by `{command}`.\n")
+        f"{title}\n\n{format_table(headers, rows, markdown=True)}\n\nProduced by `{command}`.\n")
     prog.note(f"wrote {out / f'{name}.json'}, {out / f'{name}.md'}")
     return 0
 

@@ -11,7 +11,7 @@ It prints the max absolute weight difference of each accumulating run from the
 reference (0 up to float32 rounding means "trains like the large batch"), and
 saves the figures as JSON. Run::
 
-    .venv/bin/python -m benchmarks.compare_builtin [--out bench_output]
+    .venv/bin/python -m experiments.compare_builtin [--out bench_output]
 """
 
 from __future__ import annotations
