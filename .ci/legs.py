@@ -71,11 +71,12 @@ KERAS_HUB_DEPS = ["absl-py", "numpy", "packaging", "regex", "rich", "kagglehub!=
 # What every leg runs (no framework needed; the legs that collect tests/
 # whole run them as part of it): the framework-free core through the NumPy
 # reference backend (tests/support/numpy_backend.py) and its import without
-# any framework, and tests/core/test_references.py (the sources read
+# any framework, the saved layouts (tests/core/test_layout.py), and
+# tests/core/test_references.py (the sources read
 # statically: every tests/...py path and every API reference of the package,
 # docs and tools resolves; no test imports benchmarks or experiments).
 EVERY_LEG = ["tests/core/test_window_numpy.py", "tests/core/test_core_without_framework.py",
-             "tests/core/test_references.py"]
+             "tests/core/test_layout.py", "tests/core/test_references.py"]
 
 # The TF1 family runs whole in tf215 (the oldest TensorFlow the legs have);
 # in k3 (the newest) its own folder, tests/tf1/, runs too, its contract cells

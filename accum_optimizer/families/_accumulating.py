@@ -27,6 +27,8 @@ import inspect
 from typing import Any, Callable, Sequence
 
 from accum_optimizer import _args, core, counting
+from accum_optimizer.core import layout
+
 from accum_optimizer.families import _window
 
 
@@ -341,9 +343,18 @@ class AccumulatingBase(_args.Constructor):
         return None
 
     # --------------------------------------------------------- saved state
+    # The family's saved order (accum_optimizer.core.layout.LAYOUTS).
+    _LAYOUT: layout.Layout
+
+    def _saved_blocks(self) -> dict:
+        """``{block name: variables}``, every block of :attr:`_LAYOUT`: the
+        wrapper's own (``"own"``), the inner optimizer's (``"inner"``) and the
+        optional trailing blocks (``self._window.blocks``)."""
+        raise NotImplementedError
+
     def _saved_variables(self) -> list:
-        """The variables in the order saved state lists them (``variables``)."""
-        return list(self.variables)
+        """The variables in the order saved state lists them."""
+        return layout.ordered(self._LAYOUT, self._saved_blocks())
 
     def _model_being_loaded(self) -> Any:
         """The model whose ``load_weights`` is restoring this optimizer, or ``None``."""
@@ -370,7 +381,7 @@ class AccumulatingBase(_args.Constructor):
         the variables of the layout they fit: the current one, or one saved
         by an older version or another configuration without some of the
         optional trailing blocks (``self._window.blocks``, see
-        :func:`saved_layout`). State saved without the window's position is
+        :func:`accum_optimizer.core.layout.fitting`). State saved without the window's position is
         at ``micro_steps % N`` (:meth:`_forget_position`); without row
         trackers, every row of a restored accumulator that is non-zero is
         marked. Returns the variables assigned.
@@ -380,7 +391,7 @@ class AccumulatingBase(_args.Constructor):
                 shape differs.
         """
         blocks = self._window.blocks
-        variables = saved_layout(self._saved_variables(), list(blocks.values()), saved)
+        variables = layout.fitting(self._LAYOUT, self._saved_blocks(), saved)
         if len(saved) != len(variables):
             raise ValueError(
                 f"Cannot restore optimizer '{name}': it has {len(variables)} variables but the saved "
@@ -436,47 +447,6 @@ class AccumulatingBase(_args.Constructor):
         rules = self._rules(self._window.weights_seen)
         return self._window.flush(self._backend(), self._window_state(), rules, replicas,
                                   resumes=self._resumes_position)
-
-
-def saved_layout(variables: Sequence[Any], blocks: Sequence[Sequence[Any]], saved: Sequence[Any]) -> list:
-    """The variables that the ``saved`` arrays fill, in order: ``variables``,
-    or the layout of a save by an older version or another configuration,
-    which lacks some of the optional trailing ``blocks`` (each a run of
-    ``variables``, in their order at its end).
-
-    Of the layouts of the right length, the first whose variables match the
-    arrays in shape and in dtype kind (integer counters, float values); the
-    first of the right length if none matches (the caller's shape check
-    then names the culprit); ``variables`` if none has the right length (the
-    caller raises)."""
-    import itertools
-
-    import numpy as np
-
-    variables = list(variables)
-    base = variables[: len(variables) - sum(len(b) for b in blocks)]
-    layouts = []
-    for keep in itertools.product((True, False), repeat=len(blocks)):
-        layout = base + [v for k, b in zip(keep, blocks) if k for v in b]
-        if len(layout) == len(saved):
-            layouts.append(layout)
-
-    def fits(layout: list) -> bool:
-        for v, value in zip(layout, saved):
-            value = np.asarray(value)
-            if tuple(v.shape) != value.shape:
-                return False
-            if _is_float(v.dtype) != _is_float(value.dtype):
-                return False
-        return True
-
-    fitting = [layout for layout in layouts if fits(layout)]
-    return fitting[0] if fitting else (layouts[0] if layouts else variables)
-
-
-def _is_float(dtype: Any) -> bool:
-    """A float dtype (TF's ``DType``, Keras' name, NumPy's, bfloat16 too)?"""
-    return "float" in (getattr(dtype, "name", None) or str(dtype))
 
 
 def assign_all(variables: Sequence[Any], weights: Sequence[Any], name_of: Callable[[Any], str]) -> None:

@@ -82,7 +82,7 @@ class Window:
         self.gate_depth = 0
         self.remove_gates: Callable[[], None] | None = None
         # The saved layout's optional blocks, by name, each a list of the
-        # wrapper's variables (see `accum_optimizer.families._accumulating.saved_layout`).
+        # wrapper's variables (see `accum_optimizer.core.layout`).
         self.blocks: dict[str, list] = {}
         # The framework base class' own variables, which the wrapper's
         # `variables` (and so its saved state) leaves out.

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from accum_optimizer import _args, core
+from accum_optimizer.core import layout
 from accum_optimizer._compat import keras2 as compat
 from accum_optimizer.families import _accumulating, _keras2, _tf_route
 
@@ -197,8 +198,14 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf_rout
         ``window_weight`` (a ``CallableList``, as Keras 2 returns)."""
         return compat.callable_list(
             self._keras,
-            compat.own_variables(self) + list(self.inner_optimizer.variables) + self._window.block_variables(),
+            self._saved_variables(),
         )
+
+    _LAYOUT = layout.LAYOUTS["keras2"]
+
+    def _saved_blocks(self) -> dict:
+        return {"own": compat.own_variables(self), "inner": list(self.inner_optimizer.variables),
+                **self._window.blocks}
 
     def __dir__(self) -> list:
         # The `.keras` format walks `dir()` for child objects to save; the

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Sequence
 import keras
 
 from accum_optimizer import _args, _compat, core
+from accum_optimizer.core import layout
+
 from accum_optimizer._compat import keras3 as compat
 from accum_optimizer.families._accumulating import deserialize_schedule, serialize_schedule, variable_name
 from accum_optimizer.families import keras3_float8 as float8
@@ -366,10 +368,15 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         variable of rank >= 1): last, so that state saved without them (by
         ``"propagate"``, by 0.1.0, by versions before the window position or
         the trackers) is a prefix of the state saved with them."""
+        return self._saved_variables()
+
+    _LAYOUT = layout.LAYOUTS["keras3"]
+
+    def _saved_blocks(self) -> dict:
         window = self._window
         left_out = {id(v) for v in itertools.chain(window.left_out, window.block_variables())}
         own = [v for v in super().variables if id(v) not in left_out]
-        return own + self.inner_optimizer.variables + window.block_variables()
+        return {"own": own, "inner": list(self.inner_optimizer.variables), **window.blocks}
 
     def __dir__(self) -> list:
         return compat.hidden_from_saving_walk(super().__dir__())

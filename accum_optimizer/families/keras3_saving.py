@@ -127,7 +127,7 @@ class Keras3Saving:
         them with a warning.) An empty store (weights saved without optimizer state)
         restores nothing. State saved without the variables of the skipping
         policies, the window's position or the row trackers (older versions,
-        another policy) loads too (see :func:`~accum_optimizer.families._accumulating.saved_layout`). The state
+        another policy) loads too (see :func:`~accum_optimizer.core.layout.fitting`). The state
         of a ``LossScaleOptimizer`` outside, if saved, is restored into the
         ``LossScaleOptimizer`` this optimizer is built by.
 

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 import tensorflow as tf
 
 from accum_optimizer import _args, core
+from accum_optimizer.core import layout
 from accum_optimizer._compat import keras2 as compat
 from accum_optimizer._compat import tf as tf_compat
 from accum_optimizer.families import _accumulating, _keras2, _tf_route
@@ -240,7 +241,13 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         """The wrapper's variables (``micro_steps``, ``grad_received``,
         accumulators, row trackers), the inner optimizer's, then
         ``mini_step`` and ``window_weight``."""
-        return compat.legacy_own_weights(self) + list(self.inner_optimizer.weights) + self._window.block_variables()
+        return self._saved_variables()
+
+    _LAYOUT = layout.LAYOUTS["legacy"]
+
+    def _saved_blocks(self) -> dict:
+        return {"own": compat.legacy_own_weights(self), "inner": list(self.inner_optimizer.weights),
+                **self._window.blocks}
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Assign ``weights`` (arrays in the order of :attr:`weights`), as
@@ -257,8 +264,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
             return
         self._restore(list(weights), super().get_config()["name"])
 
-    def _saved_variables(self) -> list:
-        return self.weights
+
 
     def variables(self) -> list:
         return self.weights
