@@ -21,6 +21,8 @@ import tensorflow as tf
 from accum_optimizer import _args, core
 from accum_optimizer._compat import tf as compat
 from accum_optimizer.families import _tf1_graph as graph
+from accum_optimizer.families._accumulating import no_gradients, variable_name
+
 from accum_optimizer.families._tf_backend import check_weight, validate_accumulator_dtype
 
 tf1 = tf.compat.v1
@@ -395,10 +397,8 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
             )
         weight = check_weight(weight)
         pairs = graph.check_grads_and_vars(grads_and_vars)
+        no_gradients([g for g, _ in pairs], [v for _, v in pairs], variable_name)
         with_grad = [(g, v) for g, v in pairs if g is not None]
-        if not with_grad:
-            names = [v.name for _, v in pairs]
-            raise ValueError(f"No gradients provided for any variable: {names}.")
         if not _args.accumulates(self.gradient_accumulation_steps, self.nonfinite):
             return self._pass_through(pairs, global_step, name, weight)
 
