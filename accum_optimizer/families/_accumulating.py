@@ -343,7 +343,9 @@ class AccumulatingBase(_args.Constructor):
         return None
 
     # --------------------------------------------------------- saved state
-    # The family's saved order (accum_optimizer.core.layout.LAYOUTS).
+    # The family's name in accum_optimizer.core.layout (LAYOUTS, BUILDS),
+    # and its saved order.
+    _LAYOUT_NAME: str
     _LAYOUT: layout.Layout
 
     def _saved_blocks(self) -> dict:
@@ -394,9 +396,10 @@ class AccumulatingBase(_args.Constructor):
         variables = layout.fitting(self._LAYOUT, self._saved_blocks(), saved)
         if len(saved) != len(variables):
             raise ValueError(
-                f"Cannot restore optimizer '{name}': it has {len(variables)} variables but the saved "
-                f"state has {len(saved)}. Was it saved with a different inner optimizer, "
-                "gradient_accumulation_steps, nonfinite policy or model?"
+                f"Cannot restore optimizer '{name}': the saved state must have one array per optimizer "
+                f"variable (or per variable of an earlier layout): expected {len(variables)}, received "
+                f"{len(saved)}. Was it saved with a different inner optimizer, gradient_accumulation_steps, "
+                "nonfinite policy or model?"
             )
         assign_all(variables, saved, variable_name)
         restored = {id(v) for v in variables}
@@ -404,7 +407,7 @@ class AccumulatingBase(_args.Constructor):
             self._forget_position()
         trackers = blocks.get("trackers")
         if trackers and id(trackers[-1]) not in restored:
-            self._mark_rows_of_restored_accumulators()
+            mark_rows_of_restored_accumulators(self.acc_grads, self._row_trackers)
         return variables
 
     def _forget_position(self) -> None:
@@ -418,19 +421,6 @@ class AccumulatingBase(_args.Constructor):
         if not self._resumes_position:
             with self._outside_functions():
                 core.resume_position(self._backend(), self._window_state(), self._rules())
-
-    def _mark_rows_of_restored_accumulators(self) -> None:
-        """State saved without row trackers (by a version before them): mark
-        every row whose restored accumulator is non-zero, so that the window
-        in progress loses nothing when it closes."""
-        import numpy as np
-
-        for acc, tracker in zip(self.acc_grads, self._row_trackers):
-            if tracker is None:
-                continue
-            value = np.asarray(acc.numpy())
-            touched = np.any(value.reshape(value.shape[0], -1) != 0, axis=1)
-            tracker.assign(touched.astype("float16"))
 
     # ------------------------------------------------------ partial window
     def _check_flushable(self) -> None:
@@ -447,6 +437,45 @@ class AccumulatingBase(_args.Constructor):
         rules = self._rules(self._window.weights_seen)
         return self._window.flush(self._backend(), self._window_state(), rules, replicas,
                                   resumes=self._resumes_position)
+
+
+def make_window(opt: AccumulatingBase, var_list: Sequence[Any], make: Callable[[layout.Spec, Any], Any]) -> dict:
+    """Make the window's variables, in the order of the family's
+    :data:`~accum_optimizer.core.layout.BUILDS` entry
+    (:func:`~accum_optimizer.core.layout.window_specs`), each by
+    ``make(spec, variable)`` (``variable``: the trainable variable of an
+    accumulator or tracker, else ``None``), and set them: each counter,
+    ``grad_received``, ``mini_step`` and ``window_weight`` as an attribute
+    of its name, ``acc_grads`` (build order), the row trackers and the
+    optional blocks on the window. Returns what
+    :func:`~accum_optimizer.core.layout.collect` gives."""
+    var_list = list(var_list)
+    specs = layout.window_specs(layout.BUILDS[opt._LAYOUT_NAME], [tuple(v.shape) for v in var_list],
+                                core.skip_counters(opt.nonfinite), opt._accumulates)
+    state = layout.collect(specs, [make(s, None if s.index is None else var_list[s.index]) for s in specs],
+                           len(var_list))
+    for spec in specs:
+        if spec.index is None:
+            setattr(opt, spec.name, state[spec.name])
+    opt.acc_grads = [a for a in state["acc_grad"] if a is not None]
+    opt._window.row_trackers = state["touched_rows"] if opt._accumulates else []
+    for name in opt._window.blocks:
+        opt._window.blocks[name] = state["blocks"].get(name, [])
+    return state
+
+
+def mark_rows_of_restored_accumulators(acc_grads: Sequence[Any], trackers: Sequence[Any]) -> None:
+    """State saved without row trackers (by a version before them): mark
+    every row whose restored accumulator is non-zero, so that the window
+    in progress loses nothing when it closes."""
+    import numpy as np
+
+    for acc, tracker in zip(acc_grads, trackers):
+        if tracker is None:
+            continue
+        value = np.asarray(acc.numpy())
+        touched = np.any(value.reshape(value.shape[0], -1) != 0, axis=1)
+        tracker.assign(touched.astype("float16"))
 
 
 def assign_all(variables: Sequence[Any], weights: Sequence[Any], name_of: Callable[[Any], str]) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from accum_optimizer import core
+from accum_optimizer.core import layout
 from accum_optimizer._compat import tf as compat
 from accum_optimizer.families import _window
 from accum_optimizer.families._tf_backend import TF1Backend, check_gradient_shapes, control_inputs
@@ -77,35 +78,41 @@ class GraphWindow(_window.Window):
         return {n: getattr(self.state, n) for n in names if getattr(self.state, n) is not None}
 
 
-def make_state(make: Callable[..., Any], name: str, var_list: list, sparse_refs: set, micro_steps: Any,
-               extra: Sequence[str], accumulator_dtype: Callable[[Any], Any]) -> core.WindowState:
-    """The window's variables in this graph, made by ``make(name,
-    initial_value, colocate_with, slot=None)`` in their saved order:
-    ``grad_received``; per variable (build order) its accumulator and, for
-    a sparse one (``ref()`` in ``sparse_refs``), its row tracker; the
-    window's position (0, a fresh state's; state restored from a checkpoint
-    saved without it resumes at ``micro_steps % N``, see
-    :func:`accum_optimizer.core.resume_position`) and count; the ``extra``
-    int64 counters by name."""
+def make_state(make: Callable[..., Any], name: str, var_list: list, sparse_refs: set,
+               counters: Sequence[str] | None, accumulator_dtype: Callable[[Any], Any]) -> tuple:
+    """``(micro_steps, state)``: the window's variables in this graph, in the
+    order of :data:`accum_optimizer.core.layout.BUILDS` ``["tf1"]``, each made
+    by ``make(name, initial_value, colocate_with, slot=None)``: the counters
+    and the window's count in the wrapper's name scope, beside the first
+    variable by name; each accumulator (and, for a sparse variable, its row
+    tracker: ``ref()`` in ``sparse_refs``) in the variable's, beside it.
+    ``state`` is the :class:`~accum_optimizer.core.WindowState`, or ``None``
+    where the wrapper does not accumulate (``counters`` is ``None``). The
+    window's position starts at 0, a fresh state's; state restored from a
+    checkpoint saved without it resumes at ``micro_steps % N``
+    (:func:`accum_optimizer.core.resume_position`)."""
     first = min(var_list, key=lambda v: v.name)
-    with tf.name_scope(f"{name}/"):
-        received = make("grad_received", tf.zeros([len(var_list)], tf.int64), first)
-    accs, trackers = [], []
-    for i, v in enumerate(var_list):
+    sparse = frozenset(i for i, v in enumerate(var_list) if v.ref() in sparse_refs)
+    specs = layout.window_specs(layout.BUILDS["tf1"], [tuple(v.shape) for v in var_list], counters or (),
+                                counters is not None, sparse)
+
+    def made(spec: layout.Spec) -> Any:
+        if spec.index is None:
+            with tf.name_scope(f"{name}/"):
+                return make(spec.name, tf.fill(list(spec.shape), tf.constant(spec.initial, spec.dtype)), first)
+        v = var_list[spec.index]
+        dtype = accumulator_dtype(v) if spec.dtype is None else spec.dtype
         with tf.name_scope(f"{op_name(v)}/{name}/"):
-            accs.append(make("acc_grad", tf.zeros(v.shape, accumulator_dtype(v)), v, slot=("acc_grad", i)))
-            tracker = None
-            if v.ref() in sparse_refs and v.shape.rank:
-                tracker = make("touched_rows", tf.zeros(v.shape[:1], tf.int8), v, slot=("touched_rows", i))
-            trackers.append(tracker)
-    with tf.name_scope(f"{name}/"):
-        mini_step = make("mini_step", tf.zeros([], tf.int64), first)
-        window_weight = make("window_weight", tf.zeros([], tf.float32), first)
-        counters = {n: make(n, tf.zeros([], tf.int64), first) for n in extra}
-    return core.WindowState(
-        accs, micro_steps, received, mini_step, window_weight,
+            return make(spec.name, tf.zeros(spec.shape, dtype), v, slot=(spec.name, spec.index))
+
+    state = layout.collect(specs, [made(spec) for spec in specs], len(var_list))
+    if counters is None:
+        return state["micro_steps"], None
+    trackers = state["touched_rows"]
+    return state["micro_steps"], core.WindowState(
+        state["acc_grad"], state["micro_steps"], state["grad_received"], state["mini_step"], state["window_weight"],
         touched_rows=trackers if any(t is not None for t in trackers) else None,
-        variable_dtypes=[v.dtype.base_dtype for v in var_list], **counters,
+        variable_dtypes=[v.dtype.base_dtype for v in var_list], **{n: state[n] for n in counters},
     )
 
 

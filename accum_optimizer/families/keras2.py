@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from accum_optimizer import _args, core
+from accum_optimizer import _args
 from accum_optimizer.core import layout
 from accum_optimizer._compat import keras2 as compat
 from accum_optimizer.families import _accumulating, _keras2, _tf_route
@@ -132,29 +132,10 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf_rout
         self._check_strategy_at_build()
         with tf.init_scope():
             with tf.name_scope(self.name):
-                self.micro_steps = self._counter(tf.constant(0, tf.int64), "micro_steps")
                 self.mini_step = self.window_weight = self.grad_received = None
-                self.acc_grads = []
-                if self._accumulates:
-                    self.grad_received = self._counter(tf.zeros([len(var_list)], tf.int64), "grad_received")
-                    self.acc_grads = [self._accumulator(v) for v in var_list]
-                    # The skip counters (a skipping policy only), after the
-                    # accumulators among the wrapper's own variables.
-                    for counter in core.skip_counters(self.nonfinite):
-                        setattr(self, counter, self._counter(tf.constant(0, tf.int64), counter))
-                    # The window's position and count, after the inner
-                    # optimizer's variables in `variables` (state saved
-                    # without them, by 0.2.0.dev0 and older, is a prefix).
-                    # `mini_step` starts at -1, "unknown": the first
-                    # micro-step or flush sets it to `micro_steps % N`, what
-                    # it was before it was kept, so that a checkpoint saved
-                    # without it resumes exactly.
-                    self.mini_step = self._counter(tf.constant(core.UNKNOWN_POSITION, tf.int64), "mini_step", keep=False)
-                    self.window_weight = tf.Variable(
-                        tf.constant(0.0, tf.float32), trainable=False, name="window_weight",
-                        synchronization=_ON_READ, aggregation=tf.VariableAggregation.SUM,
-                    )
-                    self._window.blocks["window"] = [self.mini_step, self.window_weight]
+                # (`mini_step` starts "unknown": the first micro-step or flush
+                # derives it, so that a checkpoint saved without it resumes.)
+                _accumulating.make_window(self, var_list, self._make_state)
             # Named as the plain inner optimizer names its variables.
             with tf.name_scope(self.inner_optimizer.name):
                 self.inner_optimizer.build(var_list)
@@ -168,6 +149,17 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf_rout
 
     def _key_of(self, variable: Any) -> Any:
         return compat.var_key(self, variable)
+
+    def _make_state(self, spec: layout.Spec, variable: Any) -> tf.Variable:
+        """One variable of the window (:func:`~accum_optimizer.families._accumulating.make_window`); those of the
+        optional blocks are not among the wrapper's own (``_variables``)."""
+        if spec.name == "acc_grad":
+            return self._accumulator(variable)
+        if spec.replica_local:  # window_weight
+            return tf.Variable(tf.zeros(spec.shape, spec.dtype), trainable=False, name=spec.name,
+                               synchronization=_ON_READ, aggregation=tf.VariableAggregation.SUM)
+        initial = tf.fill(spec.shape, tf.constant(spec.initial, tf.int64))
+        return self._counter(initial, spec.name, keep=spec.block == "own")
 
     def _counter(self, initial_value: Any, name: str, keep: bool = True) -> tf.Variable:
         variable = tf.Variable(
@@ -201,6 +193,7 @@ class _Keras2Accumulating(compat.NewOptimizerHooks, _keras2.PerPackage, _tf_rout
             self._saved_variables(),
         )
 
+    _LAYOUT_NAME = "keras2"
     _LAYOUT = layout.LAYOUTS["keras2"]
 
     def _saved_blocks(self) -> dict:

@@ -26,6 +26,7 @@ from accum_optimizer import _args, _compat, core
 from accum_optimizer.core import layout
 
 from accum_optimizer._compat import keras3 as compat
+from accum_optimizer.families import _accumulating
 from accum_optimizer.families._accumulating import deserialize_schedule, serialize_schedule, variable_name
 from accum_optimizer.families import keras3_float8 as float8
 from accum_optimizer.families.keras3_jax import DeviceAccumulators
@@ -269,40 +270,8 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
             self._check_strategy_at_build()
         self._set_build_order(var_list)
         with keras.name_scope(self.name, caller=self):
-            if self._accumulates:
-                self.grad_received = self.add_variable(
-                    shape=(len(var_list),), dtype="int", aggregation="only_first_replica", name="grad_received"
-                )
-                self.acc_grads = [self._accumulator(v) for v in var_list]
-                trackers = [
-                    self._replica_local(v, "touched_rows", tuple(v.shape[:1]), "float16", autocast=False)
-                    if len(v.shape) else None
-                    for v in var_list
-                ]
-                self._window.row_trackers = trackers
-                self.touched_rows = [t for t in trackers if t is not None]  # (tracked for checkpoints)
-                self._window.blocks["trackers"] = list(self.touched_rows)
-            else:
-                self.acc_grads = []
-            if self.nonfinite != "propagate":
-                counters = core.skip_counters(self.nonfinite)
-                for counter in counters:
-                    setattr(self, counter, self.add_variable(
-                        shape=(), dtype="int", aggregation="only_first_replica", name=counter
-                    ))
-                self._window.blocks["nonfinite"] = [getattr(self, c) for c in counters]
-            if self._accumulates:
-                # The window's position and count (saved after the inner
-                # optimizer's variables: state saved without them, by 0.1.0
-                # and 0.2.0.dev0, is a prefix).
-                self.mini_step = self.add_variable(
-                    shape=(), dtype="int", aggregation="only_first_replica", name="mini_step"
-                )
-                self.window_weight = compat.track_variable(self, keras.Variable(
-                    initializer=keras.initializers.Zeros(), shape=(), dtype="float32", trainable=False,
-                    aggregation="sum", synchronization="on_read", name="window_weight",
-                ))
-                self._window.blocks["window"] = [self.mini_step, self.window_weight]
+            state = _accumulating.make_window(self, var_list, self._make_state)
+            self.touched_rows = state["blocks"].get("trackers", [])  # (tracked for checkpoints)
         self.inner_optimizer.build(var_list)
         self._link_followers(var_list)
         self.built = True
@@ -313,6 +282,19 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
             with self._outside_functions():
                 self.load_own_variables(state)
         self._attach_outer(compat.outer_loss_scale_optimizer(self))
+
+    def _make_state(self, spec: layout.Spec, variable: Any) -> keras.Variable:
+        """One variable of the window (:func:`~accum_optimizer.families._accumulating.make_window`)."""
+        if spec.name == "acc_grad":
+            return self._accumulator(variable)
+        if spec.name == "touched_rows":
+            return self._replica_local(variable, spec.name, spec.shape, spec.dtype, autocast=False)
+        if spec.replica_local:  # window_weight
+            return compat.track_variable(self, keras.Variable(
+                initializer=keras.initializers.Zeros(), shape=spec.shape, dtype=spec.dtype, trainable=False,
+                aggregation="sum", synchronization="on_read", name=spec.name,
+            ))
+        return self.add_variable(shape=spec.shape, dtype="int", aggregation="only_first_replica", name=spec.name)
 
     def _key_of(self, variable: Any) -> Any:
         return compat.var_key(self, variable)
@@ -370,6 +352,7 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
         the trackers) is a prefix of the state saved with them."""
         return self._saved_variables()
 
+    _LAYOUT_NAME = "keras3"
     _LAYOUT = layout.LAYOUTS["keras3"]
 
     def _saved_blocks(self) -> dict:

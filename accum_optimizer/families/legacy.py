@@ -175,49 +175,14 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         var_list = list(var_list)
         self._check_strategy_at_build()
         with tf.init_scope(), compat.legacy_strategy_scope(self):
-            first = tf.VariableAggregation.ONLY_FIRST_REPLICA
-            self.micro_steps = self.add_weight(
-                "micro_steps", shape=[], dtype=tf.int64, trainable=False, aggregation=first
-            )
-            own = [self.micro_steps]
-            self.acc_grads, self.touched_rows, self.grad_received = [], [], None
+            self.touched_rows, self.grad_received = [], None
+            # (`mini_step` starts "unknown": the first micro-step or flush
+            # derives it, so that a checkpoint saved without it resumes.)
+            state = _accumulating.make_window(self, var_list, self._make_state)
             if self._accumulates:
-                self.grad_received = self.add_weight(
-                    "grad_received", shape=[len(var_list)], dtype=tf.int64, trainable=False,
-                    aggregation=first,
-                )
-                own.append(self.grad_received)
-                for i, v in enumerate(var_list):
-                    with _tf_route.colocated_with(self, v):
-                        self.acc_grads.append(
-                            self._replica_local(f"acc_grad_{i}", v.shape, tf.as_dtype(self._accumulator_dtype(v)))
-                        )
-                        rows = None
-                        if v.shape.rank:
-                            rows = self._replica_local(f"touched_rows_{i}", v.shape[:1], tf.float16)
-                        self.touched_rows.append(rows)
-                own += self.acc_grads + [r for r in self.touched_rows if r is not None]
-                # The skip counters (a skipping policy only), last of the wrapper's own.
-                for counter in core.skip_counters(self.nonfinite):
-                    setattr(self, counter, self.add_weight(
-                        counter, shape=[], dtype=tf.int64, trainable=False, aggregation=first
-                    ))
-                    own.append(getattr(self, counter))
-                # The window's position and count, after the inner
-                # optimizer's weights (weights saved without them, by
-                # 0.2.0.dev0 and older, are a prefix). `mini_step` starts at
-                # -1, "unknown": the first micro-step or flush sets it to
-                # `micro_steps % N`, so that a checkpoint saved without it
-                # resumes exactly.
-                self.mini_step = self.add_weight(
-                    "mini_step", shape=[], dtype=tf.int64, trainable=False, aggregation=first,
-                    initializer=_unknown_position,
-                )
-                self.window_weight = self._replica_local("window_weight", [], tf.float32)
-                self._window.blocks["window"] = [self.mini_step, self.window_weight]
-            compat.legacy_own_weights(self).extend(own)
+                self.touched_rows = state["touched_rows"]
+            compat.legacy_own_weights(self).extend(state["blocks"]["own"])
             compat.legacy_create_all_weights(self.inner_optimizer, var_list)
-        self._window.row_trackers = list(self.touched_rows)
         self._set_build_order(var_list)
         self._link_followers(var_list)
 
@@ -225,6 +190,20 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
     def built(self) -> bool:
         """Whether the accumulators and counters exist (:meth:`build` ran)."""
         return self._window_built()
+
+    def _make_state(self, spec: layout.Spec, variable: Any) -> Any:
+        """One weight of the window (:func:`~accum_optimizer.families._accumulating.make_window`)."""
+        if spec.index is not None:  # an accumulator or a row tracker, beside its variable
+            dtype = self._accumulator_dtype(variable) if spec.dtype is None else spec.dtype
+            with _tf_route.colocated_with(self, variable):
+                return self._replica_local(f"{spec.name}_{spec.index}", list(spec.shape), tf.as_dtype(dtype))
+        if spec.replica_local:  # window_weight
+            return self._replica_local(spec.name, list(spec.shape), tf.as_dtype(spec.dtype))
+        return self.add_weight(
+            spec.name, shape=list(spec.shape), dtype=tf.int64, trainable=False,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            initializer=_unknown_position if spec.initial == core.UNKNOWN_POSITION else "zeros",
+        )
 
     def _key_of(self, variable: Any) -> Any:
         return self._window.context["key"](variable)
@@ -243,6 +222,7 @@ class _LegacyAccumulating(tf_compat.InnerSlots, compat.LegacyHooks, _keras2.PerP
         ``mini_step`` and ``window_weight``."""
         return self._saved_variables()
 
+    _LAYOUT_NAME = "legacy"
     _LAYOUT = layout.LAYOUTS["legacy"]
 
     def _saved_blocks(self) -> dict:

@@ -200,22 +200,18 @@ class AccumulatingOptimizer(compat.InnerSlots, compat.TF1Trackable, _args.Constr
         self._build(var_list, {v.ref() for v in sparse})
 
     def _build(self, var_list: list, sparse_refs: set) -> graph.GraphWindow:
-        steps = self.gradient_accumulation_steps
+        accumulates = _args.accumulates(self.gradient_accumulation_steps, self.nonfinite)
+        # The skip counters (a skipping policy) and, for a schedule, the
+        # updates taken (what picks the window's N: TF1 optimizers count no
+        # updates of their own).
+        counters = list(dict.fromkeys(core.skip_counters(self.nonfinite) + self._rules().needs()))
         with tf.init_scope():
             key = graph.graph_key()
-            first = min(var_list, key=lambda v: v.name)
-            with tf.name_scope(f"{self.get_name()}/"):
-                micro_steps = self._own_variable("micro_steps", tf.zeros([], tf.int64), first)
-            state = None
-            if _args.accumulates(steps, self.nonfinite):
-                # The skip counters (a skipping policy) and, for a schedule,
-                # the updates taken (what picks the window's N: TF1
-                # optimizers count no updates of their own).
-                extra = list(dict.fromkeys(core.skip_counters(self.nonfinite) + self._rules().needs()))
-                state = graph.make_state(
-                    self._own_variable, self.get_name(), var_list, sparse_refs, micro_steps, extra,
-                    lambda v: _args.accumulator_dtype_for(v.dtype.base_dtype.name, self.accumulator_dtype, widen=False),
-                )
+            micro_steps, state = graph.make_state(
+                self._own_variable, self.get_name(), var_list, sparse_refs, counters if accumulates else None,
+                lambda v: _args.accumulator_dtype_for(v.dtype.base_dtype.name, self.accumulator_dtype, widen=False),
+            )
+            if accumulates:
                 # The slots the inner optimizer's `apply_gradients` would
                 # create (it does so under `init_scope` too), made now: in
                 # eager mode the update's `tf.cond` runs only on updates, and
