@@ -76,3 +76,50 @@ def test_fitting_of_no_layout_gives_every_variable_for_the_caller_to_refuse():
 def test_optional_blocks_must_trail():
     with pytest.raises(ValueError, match="trailing"):
         layout.Layout(("own", "window", "inner"), ("window",))
+
+
+# ------------------------------------------------------------------ build
+SHAPES = [(3, 4), (4,), ()]  # a kernel, a bias, a scalar
+SKIP = ["skipped_micro_steps", "skipped_windows", "window_poisoned"]
+
+
+def names(specs):
+    return [s.name if s.index is None else f"{s.name}_{s.index}" for s in specs]
+
+
+@pytest.mark.parametrize("family, expected", [
+    # Each family's build order, written out by hand (each block's saved
+    # order is the one earlier versions saved: own, then the optional blocks):
+    ("keras3", ["grad_received", "acc_grad_0", "acc_grad_1", "acc_grad_2", "touched_rows_0", "touched_rows_1",
+                *SKIP, "mini_step", "window_weight"]),
+    ("keras2", ["micro_steps", "grad_received", "acc_grad_0", "acc_grad_1", "acc_grad_2", *SKIP,
+                "mini_step", "window_weight"]),
+    ("legacy", ["micro_steps", "grad_received", "acc_grad_0", "acc_grad_1", "acc_grad_2", "touched_rows_0",
+                "touched_rows_1", *SKIP, "mini_step", "window_weight"]),
+    ("tf1", ["micro_steps", "grad_received", "acc_grad_0", "acc_grad_1", "acc_grad_2", "touched_rows_0",
+             "mini_step", "window_weight", *SKIP]),
+])
+def test_window_specs_are_each_familys_build_order(family, expected):
+    specs = layout.window_specs(layout.BUILDS[family], SHAPES, SKIP, sparse=frozenset({0, 2}))
+    assert names(specs) == expected
+
+
+@pytest.mark.parametrize("family", sorted(layout.LAYOUTS))
+def test_every_window_variable_is_saved_in_a_block_of_the_familys_layout(family):
+    specs = layout.window_specs(layout.BUILDS[family], SHAPES, SKIP)
+    assert {s.block for s in specs} <= set(layout.LAYOUTS[family].blocks) - {"inner"}
+    # Counters one value for all replicas; accumulators, trackers and the count per replica.
+    assert {s.name for s in specs if s.replica_local} == {"acc_grad", "touched_rows", "window_weight"} & {
+        s.name for s in specs}
+
+
+def test_without_accumulation_only_micro_steps_is_made():
+    assert names(layout.window_specs(layout.BUILDS["keras2"], SHAPES, [], accumulates=False)) == ["micro_steps"]
+    assert layout.window_specs(layout.BUILDS["keras3"], SHAPES, [], accumulates=False) == []
+
+
+def test_collect_places_per_variable_state_by_position():
+    specs = layout.window_specs(layout.BUILDS["tf1"], SHAPES, [], sparse=frozenset({1}))
+    state = layout.collect(specs, [f"v{i}" for i in range(len(specs))], len(SHAPES))
+    assert state["acc_grad"] == ["v2", "v3", "v4"] and state["touched_rows"] == [None, "v5", None]
+    assert state["blocks"]["window"] == [state["mini_step"], state["window_weight"]]
