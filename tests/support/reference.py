@@ -131,6 +131,22 @@ def train(model, optimizer, x, y, batch: int, steps: int, loss_fn=mse, mode: str
     return model
 
 
+def train_updates(step, x, y, n: int, b: int, updates: int, accumulate: bool, record: Callable) -> list:
+    """``updates`` updates on consecutive samples of ``x, y``: each N calls of
+    ``step`` on micro-batches of ``b`` (``accumulate``) or one call on the
+    batch of N·b; ``record()`` after each update, its results returned."""
+    out = []
+    for u in range(updates):
+        xs, ys = x[u * n * b:(u + 1) * n * b], y[u * n * b:(u + 1) * n * b]
+        if accumulate:
+            for k in range(n):
+                step(tf.constant(xs[k * b:(k + 1) * b]), tf.constant(ys[k * b:(k + 1) * b]))
+        else:
+            step(tf.constant(xs), tf.constant(ys))
+        out.append(record())
+    return out
+
+
 def reference_and_accumulated(
     model_fn: Callable,
     optimizer_fn: Callable,
@@ -189,15 +205,9 @@ def run_pair(make_inner, n, b, updates, model_fn=dense_model, data_fn=dense_data
         if reduction == "sum" and not accumulate:
             ref_loss = lambda y_, p_: loss_fn(y_, p_) * n  # noqa: E731 - the "sum" reference
         step = make_train_step(model, opt, ref_loss, mode=mode)
-        trajectory = []
-        for u in range(updates):
-            xs, ys = x[u * n * b:(u + 1) * n * b], y[u * n * b:(u + 1) * n * b]
-            if accumulate:
-                for k in range(n):
-                    step(tf.constant(xs[k * b:(k + 1) * b]), tf.constant(ys[k * b:(k + 1) * b]))
-            else:
-                step(tf.constant(xs), tf.constant(ys))
-            trajectory.append([w.numpy().copy() for w in model.weights] + [w.numpy().copy() for w in inner.weights])
+        trajectory = train_updates(
+            step, x, y, n, b, updates, accumulate,
+            record=lambda: [w.numpy().copy() for w in model.weights] + [w.numpy().copy() for w in inner.weights])
         out.append({"model": model, "opt": opt, "inner": inner, "trajectory": trajectory,
                     "initial": [w.numpy() for w in model_fn().weights]})
     return out[0], out[1]
