@@ -96,6 +96,41 @@ def embedding_data(n: int, seed: int = 1, vocab_used: int = VOCAB):
     return x, rng.normal(size=(n, OUT)).astype(np.float32)
 
 
+def table_model(vocab: int, dim: int, seed: int = 21):
+    """Embedding(vocab, dim) named ``table`` -> GlobalAveragePooling1D ->
+    Dense(2), on 5 ids a sample: the table's gradient is a
+    ``tf.IndexedSlices``."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(vocab, dim, name="table")(inp)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(inp, keras.layers.Dense(2)(h))
+
+
+def table_data(n: int, seed: int = 4):
+    """Ids for :func:`table_model`: few distinct ones (0-11), so micro-batches
+    repeat ids (duplicate indices in the slices) and leave most rows of the
+    table untouched in every window."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 12, size=(n, 5)).astype("int32")
+    return ids, rng.normal(size=(n, 2)).astype("float32")
+
+
+def densifications(ops, vocab: int, dim: int) -> list:
+    """The ops among ``ops`` that turn slices into a dense tensor (TF's
+    IndexedSlices-to-dense conversion is an ``UnsortedSegmentSum``), or write a
+    dense ``(vocab, dim)`` value into a variable."""
+    bad = []
+    for op in ops:
+        if op.type == "UnsortedSegmentSum":
+            bad.append(op.type)
+        if op.type in ("AssignAddVariableOp", "AssignVariableOp"):
+            shape = op.inputs[1].shape
+            if shape.rank is not None and tuple(shape.as_list()) == (vocab, dim):
+                bad.append(op.type)
+    return bad
+
+
 def mse(y, p):
     return tf.reduce_mean(tf.square(tf.cast(y, p.dtype) - p))
 

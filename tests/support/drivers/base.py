@@ -194,6 +194,9 @@ class Driver:
     #: Whether an update moves every variable of RICH_INNER (TF1's Adam: every
     #: slot, both beta powers and global_step).
     ALL_STATE_MOVES_ON_UPDATE = False
+    #: Arguments of the framework's optimizer base class refused on the wrapper
+    #: (Keras 3 and Keras 2's new API); ``None``: the wrapper takes only its own.
+    BASE_ARGUMENTS: tuple | None = None
 
     def between_updates_modes(self) -> list:
         return [self.MODE]

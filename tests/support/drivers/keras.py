@@ -25,6 +25,12 @@ class KerasDriver(Driver):
     RICH_INNER = Inner("adamw_ema", 1e-2)
     #: The equivalence cases also run eagerly (:meth:`mode_cases`).
     EAGER_CASES: tuple = ()
+    #: Arguments of the family's ``Optimizer`` base class that belong on the
+    #: inner optimizer, ``(name, value)``: refused on the wrapper.
+    BASE_ARGUMENTS: tuple = (("clipnorm", 1.0), ("clipvalue", 0.5), ("global_clipnorm", 2.0), ("weight_decay", 0.01),
+                             ("use_ema", True), ("ema_momentum", 0.5), ("learning_rate", 0.1))
+    #: Base-class arguments at their defaults, as generic code writes them: accepted.
+    BASE_DEFAULTS: dict = {"clipnorm": None, "use_ema": False, "learning_rate": None, "ema_momentum": 0.99}
 
     def __init__(self):
         from support import reference as R
@@ -226,6 +232,98 @@ class KerasDriver(Driver):
         acc["inner_attributes"] = set(vars(inner))
         return ref, acc
 
+    # ------------------------------------------------ MirroredStrategy
+    #: ``model.fit`` under MirroredStrategy: N, the global micro-batch B,
+    #: windows per epoch, epochs, and how far the reference must move the weights.
+    MIRRORED = (4, 8, 3, 2, 1e-2)
+
+    def mirrored_cases(self) -> list:
+        """The inner optimizers of :meth:`mirrored_pair` (``Case.variant``:
+        the model and data, :meth:`mirrored_model`)."""
+        raise NotImplementedError
+
+    def adamw_ema_schedule(self, model=None):
+        """AdamW with an ExponentialDecay schedule, weight decay and EMA (a
+        case of :meth:`mirrored_cases`)."""
+        o = self.optimizers
+        return o.AdamW(learning_rate=o.schedules.ExponentialDecay(2e-2, decay_steps=2, decay_rate=0.5),
+                       weight_decay=0.05, use_ema=True, ema_momentum=0.9)
+
+    def mirrored_model(self, case):
+        return self.R.make_mlp(seed=0)
+
+    def mirrored_data(self, case, n):
+        return self.R.make_data(n)
+
+    def mirrored_fit(self, case, x, y, batch, n=None, strategy=None):
+        """``model.fit`` (``"mse"``, no shuffling, not XLA-compiled) of the
+        case's model with its plain inner optimizer (``n`` None) or wrapped
+        with N = ``n``, under ``strategy``'s scope if given; ``(model, inner,
+        opt)``."""
+        from accum_optimizer import AccumulatingOptimizer
+
+        epochs = self.MIRRORED[3]
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = self.mirrored_model(case)
+            inner = case.make_inner(model)
+            opt = inner if n is None else AccumulatingOptimizer(inner, gradient_accumulation_steps=n)
+            model.compile(optimizer=opt, loss="mse", jit_compile=False)
+            model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch), epochs=epochs, shuffle=False,
+                      verbose=0)
+        return model, inner, opt
+
+    def mirrored_reductions(self, case, x, y, strategy, counter):
+        """How many gradient all-reductions (``counter.take()``) the
+        accumulating fit must make: ``None`` where it is not counted here."""
+        return None
+
+    def mirrored_pair(self, case, strategy, monkeypatch) -> tuple[Run, Run]:
+        """The single-device large batch (plain inner optimizer, batch N·B) and
+        the accumulating fit under ``strategy`` (micro-batches of B). The
+        accumulating :class:`Run`'s ``objects`` hold ``reductions`` (the
+        gradient all-reductions it made), ``expected_reductions``
+        (:meth:`mirrored_reductions`) and ``replicas`` (each replica's value of
+        every weight and inner variable)."""
+        from support.distribution import ReductionCounter
+
+        n, b, windows, epochs, _ = self.MIRRORED
+        x, y = self.mirrored_data(case, n * b * windows)
+        runs = []
+        ref_model, ref_inner, _ = self.mirrored_fit(case, x, y, n * b)
+        counter = ReductionCounter(monkeypatch, strategy, entry_points=("_batch_reduce_to",))
+        expected = self.mirrored_reductions(case, x, y, strategy, counter)
+        model, inner, opt = self.mirrored_fit(case, x, y, b, n=n, strategy=strategy)
+        reductions = counter.take()
+        for m, i, o in ((ref_model, ref_inner, ref_inner), (model, inner, opt)):
+            names, state = self.inner_state(i)
+            runs.append(Run(trajectory=[[np.array(w.numpy()) for w in m.weights] + state],
+                            initial=[np.array(w.numpy()) for w in self.mirrored_model(case).weights],
+                            n_weights=len(m.weights), state_names=names, iterations=int(o.iterations.numpy()),
+                            micro_steps=int(o.micro_steps.numpy()) if o is opt else None))
+        variables = list(model.weights) + self.optimizer_variables(inner)
+        runs[1].objects.update(reductions=reductions, expected_reductions=expected,
+                               replicas=[self.replica_values(v, strategy.num_replicas_in_sync) for v in variables])
+        return runs[0], runs[1]
+
+    def replica_values(self, v, replicas: int) -> list:
+        """Each replica's value of a variable made under a strategy of
+        ``replicas`` replicas."""
+        return [np.array(c.numpy()) for c in getattr(v, "values", [v])]
+
+    # ----------------------------------------------------------- graphs
+    def sparse_step_ops(self, vocab: int, dim: int, n=None) -> list:
+        """The ops of one traced step (``tf.function``, 8 samples) of
+        ``R.table_model(vocab, dim)`` with Adam(1e-3), wrapped with N = ``n``
+        (``None``: the plain optimizer)."""
+        from accum_optimizer import AccumulatingOptimizer
+
+        model = self.R.table_model(vocab, dim)
+        inner = self.optimizers.Adam(1e-3)
+        opt = inner if n is None else AccumulatingOptimizer(inner, gradient_accumulation_steps=n)
+        x, y = self.R.table_data(8)
+        step = self.R.make_train_step(model, opt, mode="graph")
+        return list(step.get_concrete_function(tf.constant(x), tf.constant(y)).graph.get_operations())
+
     # ------------------------------------------------------- trainers
     def make_inner(self, spec: Inner):
         o = self.optimizers
@@ -263,6 +361,11 @@ class KerasDriver(Driver):
     def optimizer_variables(self, opt) -> list:
         """Every variable of an optimizer, in its order (``variables``)."""
         return list(opt.variables)
+
+    def snapshot(self, model, inner) -> list:
+        """Everything an update could touch: the weights, every inner
+        variable and (legacy) the inner's hyperparameter variables."""
+        return [np.array(w.numpy()) for w in model.weights] + self.inner_state(inner)[1] + self.hyper_state(inner)
 
     def hyper_state(self, inner) -> list:
         """Variables an update could touch beyond :meth:`inner_state`: none here."""
@@ -361,9 +464,8 @@ class KerasTrainer(_WindowView):
         return self.d.inner_state(self.inner)[0]
 
     def snapshot(self) -> list:
-        """Everything an update could touch: the weights, every inner
-        variable and (legacy) the inner's hyperparameter variables."""
-        return self.weights() + self.inner_state() + self.d.hyper_state(self.inner)
+        """:meth:`KerasDriver.snapshot` of the trainer's model."""
+        return self.d.snapshot(self.model, self.inner)
 
     def counters(self) -> dict:
         opt = self.opt

@@ -21,6 +21,11 @@ class Keras2Driver(KerasDriver):
     family = "keras2"
     N, B, UPDATES, MOVED = 3, 4, 4, 1e-3
     EAGER_CASES = ("sgd_momentum", "adam", "nadam", "adafactor")
+    MIRRORED = (4, 8, 2, 2, 1e-2)
+    BASE_ARGUMENTS = KerasDriver.BASE_ARGUMENTS + (("jit_compile", False),)
+    BASE_DEFAULTS = {**KerasDriver.BASE_DEFAULTS, "weight_decay": 0, "jit_compile": True, "is_legacy_optimizer": False}
+    #: The embedding's rows in :meth:`mirrored_model`: >= the 96 ids of one window.
+    VOCAB = 120
 
     # ----------------------------------------------------------- cases
     def equivalence_inners(self) -> dict:
@@ -63,6 +68,47 @@ class Keras2Driver(KerasDriver):
 
     def missing_gradient_inners(self) -> dict:
         return {name: _called(make) for name, make in self.R.MISSING_GRAD_INNERS.items()}
+
+    def mirrored_cases(self) -> list:
+        """Keras 2 clips after its all-reduce, on the global gradient, so
+        clipping is compared with the single device too. It clips before it
+        merges repeated ids of an IndexedSlices gradient, so the norm it clips
+        the sparse reference by counts a repeated id's rows separately, unlike
+        the norm of the (dense) window gradient; the clipping case therefore
+        uses data whose windows repeat no id (``variant="unique_ids"``)."""
+        return [Case("adam_global_clipnorm", lambda m: self.optimizers.Adam(1e-2, global_clipnorm=0.05),
+                     variant="unique_ids"),
+                Case("adamw_ema_schedule", self.adamw_ema_schedule)]
+
+    def mirrored_model(self, case=None, seed=0):
+        """An embedding (sparse gradients, scatter-added into ON_READ slots)
+        and a dense head."""
+        keras = self.keras
+        keras.utils.set_random_seed(seed)
+        ids = keras.Input((3,), dtype="int32")
+        feats = keras.Input((6,))
+        emb = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(self.VOCAB, 4)(ids))
+        h = keras.layers.Dense(5, activation="tanh")(keras.layers.Concatenate()([emb, feats]))
+        return keras.Model([ids, feats], keras.layers.Dense(3)(h))
+
+    def mirrored_data(self, case, n, seed=1):
+        """``((ids, feats), y)``; with ``case.variant == "unique_ids"`` no id
+        twice in one window of N*B samples (nor so in any of its
+        micro-batches), so no IndexedSlices holds repeated indices."""
+        feats, y = self.R.make_data(n, seed=seed)
+        rng = np.random.default_rng(seed)
+        if case is not None and case.variant == "unique_ids":
+            window = self.MIRRORED[0] * self.MIRRORED[1]
+            ids = np.concatenate([rng.permutation(self.VOCAB)[: window * 3] for _ in range(n // window)])
+            ids = ids.reshape(n, 3).astype("int32")
+        else:
+            ids = rng.integers(0, self.VOCAB, size=(n, 3)).astype("int32")
+        return (ids, feats), y
+
+    def mirrored_reductions(self, case, x, y, strategy, counter):
+        """One gradient all-reduce per update, none on the other micro-steps
+        (the update branch is traced once, so the counter counts executions)."""
+        return self.MIRRORED[2] * self.MIRRORED[3]
 
     # ----------------------------------------------------------- runs
     def inner_state(self, inner) -> tuple[list, list]:

@@ -13,6 +13,7 @@ from support.drivers.keras import KerasDriver
 class Keras3Driver(KerasDriver):
     family = "keras3"
     N, B, UPDATES, MOVED = 4, 3, 4, 1e-4
+    BASE_ARGUMENTS = KerasDriver.BASE_ARGUMENTS + (("loss_scale_factor", 128.0),)
 
     # ----------------------------------------------------------- cases
     def equivalence_inners(self) -> dict:
@@ -82,6 +83,10 @@ class Keras3Driver(KerasDriver):
         return {"adamw": lambda m: o.AdamW(1e-2, weight_decay=0.2),
                 "sgd_momentum": lambda m: o.SGD(0.1, momentum=0.9, weight_decay=0.1)}
 
+    def mirrored_cases(self) -> list:
+        return [Case("adam", lambda m: self.optimizers.Adam(1e-2)),
+                Case("adamw_ema_schedule", self.adamw_ema_schedule)]
+
     # ----------------------------------------------------------- runs
     def inner_state(self, inner) -> tuple[list, list]:
         """``(names, arrays)``: the optimizer's ``variables``."""
@@ -94,6 +99,11 @@ class Keras3Driver(KerasDriver):
         inside a `tf.function` loses what `build` assigns (ScheduleFreeAdamW's
         momentum = the weights stays 0)."""
         opt.build(model.trainable_variables)
+
+    def replica_values(self, v, replicas: int) -> list:
+        components = [np.asarray(c.numpy()) for c in v.value.values]
+        assert len(components) == replicas, v.path
+        return components
 
     def variable(self, value, dtype="float32"):
         return self.keras.Variable(np.array(value, "float32"), dtype=dtype)

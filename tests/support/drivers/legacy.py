@@ -27,6 +27,7 @@ class OptimizerV2Driver(KerasDriver):
     variables, eager between-update checks too."""
 
     N, B, UPDATES, MOVED = 3, 2, 3, 1e-3
+    BASE_ARGUMENTS = None  # OptimizerV2's own (clipnorm, decay, ...): legacy/test_semantics.py
     # Centered RMSprop with momentum: three slots, hyperparameter variables.
     RICH_INNER = Inner("rmsprop", 0.01, momentum=0.5, centered=True)
 
@@ -67,6 +68,24 @@ class OptimizerV2Driver(KerasDriver):
                 except KeyError:
                     arrays.append(np.zeros(v.shape, v.dtype.as_numpy_dtype))
         return names, arrays
+
+    MIRRORED = (2, 4, 3, 1, 1e-3)
+
+    def mirrored_model(self, case):
+        return self.R.embedding_model() if case.variant == "sparse" else self.R.dense_model()
+
+    def mirrored_data(self, case, n):
+        return self.R.embedding_data(n, vocab_used=8) if case.variant == "sparse" else self.R.dense_data(n)
+
+    def mirrored_reductions(self, case, x, y, strategy, counter):
+        """As many as plain training at batch N·B under the same strategy,
+        one step per update, makes (the control, counted here): the gradients
+        are reduced once per update, never on a micro-step."""
+        n, b, windows, _, _ = self.MIRRORED
+        self.mirrored_fit(case, x, y, n * b, strategy=strategy)
+        control = counter.take()
+        assert control >= windows  # at least the gradients' reduction per step
+        return control
 
     def optimizer_variables(self, opt) -> list:
         return list(opt.weights)
@@ -112,6 +131,15 @@ class LegacyDriver(OptimizerV2Driver):
             "global_clipnorm": lambda m: L.Adam(0.05, global_clipnorm=0.05),
             "clipvalue": lambda m: L.Adam(0.05, clipvalue=0.01),
         }
+
+    def mirrored_cases(self) -> list:
+        """``OptimizerV2`` clips *after* the all-reduce, so clipping is part of
+        the single-device comparison; ``variant="sparse"``: the embedding
+        model."""
+        L = self.optimizers
+        return [Case("Adam", lambda m: L.Adam(0.05)),
+                Case("Adam(global_clipnorm)", lambda m: L.Adam(0.05, global_clipnorm=0.05)),
+                Case("SGD(momentum) sparse", lambda m: L.SGD(0.1, momentum=0.9), variant="sparse")]
 
     def float64_cases(self):
         o = self.optimizers
