@@ -83,7 +83,7 @@ NO_DECAY = ["bias", "gamma", "beta"]
 # terms of both signs), the same absolute rounding is a large relative error
 # that Adam's normalised step turns into up to lr per update, and a
 # transformer's next forward pass spreads it. The suite's float32 tolerance,
-# 1e-5 (tests/support/drivers.py), holds that with room: the runs here
+# 1e-5 (tests/support/drivers/base.py), holds that with room: the runs here
 # measure 1e-7 to 1.4e-6 after 4 updates of lr 1e-2 on the three backends
 # (`-s` prints them: KERAS_HUB_TABLE). Each check also asserts that training moved the weights by more than
 # 100 * TOL, and the unweighted window of the masked loss, a real error of

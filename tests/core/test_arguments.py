@@ -2,17 +2,21 @@
 exceptions, with their messages, word for word.
 
 Reference: the validators themselves (``support.internals``: argument
-validation lives in one module of the package, whichever it is).
+validation lives in one module of the package, whichever it is); for the
+arguments of Keras' ``Optimizer`` base class, the message's parts (the
+argument, the value received, where it belongs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
 
 import pytest
 
 from support import internals
-from support.drivers import FAMILIES, Inner, driver, params
+from support.drivers import FAMILIES, Inner, NotApplicable, driver, params
 
 
 def _family_class(family):
@@ -102,3 +106,50 @@ def test_flush_before_the_optimizer_is_built_raises(family, case):
     opt = _family_class(family)(driver(family).make_inner(Inner("sgd", 0.1)), 2)
     with pytest.raises(ValueError, match=r"flush\(\) before the optimizer is built.*opt\.build\("):
         opt.flush()
+
+
+# ------------------------------------------- the base class' arguments
+@dataclasses.dataclass(frozen=True)
+class Keyword:
+    name: str
+    value: object
+
+    def __str__(self) -> str:  # the test id
+        return f"{self.name}-{self.value}"
+
+
+def _all_of(*parts):
+    return "".join(f"(?=.*{re.escape(p)})" for p in parts)
+
+
+def _base_arguments(d):
+    if d.BASE_ARGUMENTS is None:
+        return NotApplicable("its wrapper's refusal of the optimizer's own arguments is checked in its folder "
+                             "(legacy/test_semantics.py, tf1/test_api.py)")
+    return [Keyword(name, value) for name, value in d.BASE_ARGUMENTS]
+
+
+@pytest.mark.parametrize("family, keyword", params(FAMILIES, _base_arguments))
+def test_base_optimizer_arguments_on_wrapper_are_rejected(family, keyword):
+    """An argument of the family's ``Optimizer`` base class given to the
+    wrapper is refused, naming it, the value and where it belongs."""
+    from accum_optimizer import AccumulatingOptimizer
+
+    inner, name, value = driver(family).make_inner(Inner("sgd", 0.01)), keyword.name, keyword.value
+    with pytest.raises(ValueError, match=_all_of(f"`{name}`", f"{name}={value!r}", "inner optimizer")):
+        AccumulatingOptimizer(inner, gradient_accumulation_steps=2, **{name: value})
+
+
+def _base_defaults(d):
+    return _base_arguments(d) if d.BASE_ARGUMENTS is None else [None]
+
+
+@pytest.mark.parametrize("family, case", params(FAMILIES, _base_defaults))
+def test_base_optimizer_arguments_at_their_defaults_are_accepted(family, case):
+    """Generic code that writes the base-class defaults still works (the
+    learning rate is the inner optimizer's)."""
+    from accum_optimizer import AccumulatingOptimizer
+
+    d = driver(family)
+    opt = AccumulatingOptimizer(d.make_inner(Inner("sgd", 0.3)), 2, **d.BASE_DEFAULTS)
+    assert d.learning_rate(opt) == pytest.approx(0.3)

@@ -122,32 +122,6 @@ def test_reduction_validation(value):
         AccumulatingOptimizer(o.SGD(), gradient_accumulation_steps=2, reduction=value)
 
 
-@pytest.mark.parametrize(
-    "kwarg, value",
-    [
-        ("clipnorm", 1.0),
-        ("clipvalue", 0.5),
-        ("global_clipnorm", 2.0),
-        ("weight_decay", 0.01),
-        ("use_ema", True),
-        ("ema_momentum", 0.5),
-        ("learning_rate", 0.1),
-        ("jit_compile", False),
-    ],
-)
-def test_base_optimizer_arguments_on_wrapper_are_rejected(kwarg, value):
-    with pytest.raises(ValueError, match=_all_of(f"`{kwarg}`", f"{kwarg}={value!r}", "inner optimizer")):
-        AccumulatingOptimizer(o.SGD(), gradient_accumulation_steps=2, **{kwarg: value})
-
-
-def test_base_optimizer_arguments_at_their_defaults_are_accepted():
-    opt = AccumulatingOptimizer(
-        o.SGD(0.3), 2, clipnorm=None, use_ema=False, learning_rate=None, ema_momentum=0.99,
-        weight_decay=0, jit_compile=True, is_legacy_optimizer=False,
-    )
-    assert float(opt.learning_rate.numpy()) == pytest.approx(0.3)
-
-
 def test_unknown_kwargs_are_rejected_naming_the_argument_and_value():
     with pytest.raises(TypeError, match=_all_of("bogus_option", "12345", "gradient_accumulation_steps", "reduction")):
         AccumulatingOptimizer(o.SGD(), 2, bogus_option=12345)

@@ -1,4 +1,7 @@
-"""Keras 2 new API under ``tf.distribute.MirroredStrategy`` (2 logical CPUs).
+"""Keras 2 new API under ``tf.distribute.MirroredStrategy`` (2 logical CPUs):
+each replica's own slots, missing gradients gated in every replica. (``fit``
+against the single-device large batch, for every family:
+tests/contract/test_mirrored.py.)
 
 ``conftest.py`` splits the CPU into two logical devices. Micro-batches of
 ``B = 8`` global samples (4 per replica), ``N = 4`` micro-steps per update.
@@ -6,9 +9,9 @@ Keras 2 scales each replica's loss by ``1 / num_replicas``, so the replicas'
 gradients sum to the gradient of the mean over the global micro-batch. Each
 replica adds its own gradients into its own ``ON_READ`` slots; on an update
 it hands ``slot / N`` to the inner optimizer's ``apply_gradients``, whose
-all-reduce (SUM) is the only cross-replica reduction of the window. The
-independent reference is the plain inner optimizer on ONE device with batch
-``N * B = 32`` (same initial weights, same samples in the same order).
+all-reduce (SUM) is the only cross-replica reduction of the window.
+References: the gradients of each replica's half computed by hand on one
+device; the single-device hand-built large batch.
 """
 
 from support.families import require
@@ -21,6 +24,7 @@ import tensorflow as tf  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
 from support.distribution import ReductionCounter  # noqa: E402
+from support.drivers import driver  # noqa: E402
 from support.reference import (  # noqa: E402
     MISSING_GRAD_INNERS,
     MISSING_GRAD_PATTERN,
@@ -34,36 +38,20 @@ from support.reference import (  # noqa: E402
 )
 
 keras = tf.keras
-N, B, REPLICAS, WINDOWS, EPOCHS = 4, 8, 2, 2, 2
-VOCAB = 120  # >= the 96 ids of one window
+DRIVER = driver("keras2")
+N, B, WINDOWS, EPOCHS, _ = DRIVER.MIRRORED
+REPLICAS = 2
 
 
 # `strategy`: conftest.py's session-wide 2-replica MirroredStrategy.
 
 
-def _model(seed=0):
-    """An embedding (sparse gradients, scatter-added into ON_READ slots) and a
-    dense head."""
-    keras.utils.set_random_seed(seed)
-    ids = keras.Input((3,), dtype="int32")
-    feats = keras.Input((6,))
-    emb = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(VOCAB, 4)(ids))
-    h = keras.layers.Dense(5, activation="tanh")(keras.layers.Concatenate()([emb, feats]))
-    return keras.Model([ids, feats], keras.layers.Dense(3)(h))
+def _model():
+    return DRIVER.mirrored_model()
 
 
-def _data(n, seed=1, unique_ids_per_window=False):
-    feats, y = make_data(n, seed=seed)
-    rng = np.random.default_rng(seed)
-    if unique_ids_per_window:
-        # No id twice in one window of N*B samples (nor so in any of its
-        # micro-batches), so no IndexedSlices holds repeated indices.
-        windows = n // (N * B)
-        ids = np.concatenate([rng.permutation(VOCAB)[: N * B * 3] for _ in range(windows)])
-        ids = ids.reshape(n, 3).astype("int32")
-    else:
-        ids = rng.integers(0, VOCAB, size=(n, 3)).astype("int32")
-    return (ids, feats), y
+def _data(n):
+    return DRIVER.mirrored_data(None, n)
 
 
 def _dataset(x, y, batch):
@@ -74,47 +62,6 @@ def _fit(model, optimizer, x, y, batch, epochs=EPOCHS):
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(_dataset(x, y, batch), epochs=epochs, verbose=0)
     return model
-
-
-# Keras 2 clips after its all-reduce, on the global gradient, so clipping is
-# compared with the single device too. It clips before it merges repeated
-# ids of an IndexedSlices gradient, so the norm it clips the sparse
-# reference by counts a repeated id's rows separately, unlike the norm of
-# the (dense) window gradient; the clipping case therefore uses data whose
-# windows repeat no id.
-OPTIMIZERS = {
-    "adam_global_clipnorm": lambda: keras.optimizers.Adam(1e-2, global_clipnorm=0.05),
-    "adamw_ema_schedule": lambda: keras.optimizers.AdamW(
-        keras.optimizers.schedules.ExponentialDecay(2e-2, decay_steps=2, decay_rate=0.5),
-        weight_decay=0.05,
-        use_ema=True,
-        ema_momentum=0.9,
-    ),
-}
-
-
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_mirrored_fit_matches_single_device_large_batch(strategy, opt_name, monkeypatch):
-    optimizer_fn = OPTIMIZERS[opt_name]
-    x, y = _data(N * B * WINDOWS, unique_ids_per_window="clip" in opt_name)
-    counter = ReductionCounter(monkeypatch, strategy, entry_points=("_batch_reduce_to",))
-    with strategy.scope():
-        model = _model()
-        opt = AccumulatingOptimizer(optimizer_fn(), gradient_accumulation_steps=N)
-        _fit(model, opt, x, y, B)
-    reductions = counter.take()
-    ref_opt = optimizer_fn()
-    ref = _fit(_model(), ref_opt, x, y, N * B)
-
-    updates = WINDOWS * EPOCHS
-    assert (int(opt.micro_steps.numpy()), int(opt.iterations.numpy())) == (N * updates, updates)
-    assert int(ref_opt.iterations.numpy()) == updates
-    assert max_abs_diff(weights(ref), weights(_model())) > 1e-2  # it trained
-    assert max_abs_diff(weights(ref), weights(model)) <= 1e-5
-    assert max_abs_diff(optimizer_state(ref_opt), optimizer_state(opt.inner_optimizer)) <= 1e-5
-    # One gradient all-reduce per update, none on the other micro-steps (the
-    # update branch is traced once, so the counter counts executions).
-    assert reductions == updates
 
 
 def test_slots_hold_each_replicas_own_unreduced_sum(strategy, monkeypatch):

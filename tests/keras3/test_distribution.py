@@ -27,6 +27,8 @@ same samples in both runs.
 
 from __future__ import annotations
 
+import functools
+
 from support.families import require
 
 require("keras3")  # first, before Keras is imported: skips the module elsewhere
@@ -51,6 +53,7 @@ from support.reference import (
     weights,
 )
 from support.distribution import ReductionCounter
+from support.drivers import driver
 
 N = 4  # gradient_accumulation_steps
 B = 8  # global micro-batch (4 samples per replica)
@@ -58,9 +61,6 @@ REPLICAS = 2
 WINDOWS = 3  # updates per epoch
 EPOCHS = 2
 TOL = 1e-5
-
-schedules = keras.optimizers.schedules
-
 
 def _dataset(x, y, batch):
     # No shuffling: the same samples in the same order for every run.
@@ -73,20 +73,8 @@ def _fit(model, optimizer, x, y, batch, epochs, jit_compile=False):
     return model
 
 
-def _optimizer_cases():
-    o = keras.optimizers
-    return {
-        "adam": lambda: o.Adam(1e-2),
-        "adamw_ema_schedule": lambda: o.AdamW(
-            learning_rate=schedules.ExponentialDecay(2e-2, decay_steps=2, decay_rate=0.5),
-            weight_decay=0.05,
-            use_ema=True,
-            ema_momentum=0.9,
-        ),
-    }
-
-
-OPTIMIZERS = _optimizer_cases()
+# The inner optimizers of the MirroredStrategy fit (tests/contract/test_mirrored.py).
+OPTIMIZERS = {c.name: functools.partial(c.make_inner, None) for c in driver("keras3").mirrored_cases()}
 
 
 def _distributed_accumulating_fit(strategy, optimizer_fn, x, y, epochs=EPOCHS):
@@ -97,45 +85,9 @@ def _distributed_accumulating_fit(strategy, optimizer_fn, x, y, epochs=EPOCHS):
     return model, opt
 
 
-def _kind_and_shape(v):
-    # "adam/sequential_dense_kernel_momentum" -> ("momentum", (6, 5))
-    return v.path.split("/")[-1].rsplit("_", 1)[-1], tuple(v.shape)
-
-
-# --------------------------------------------------------------------------
-# model.fit under MirroredStrategy == single-device batch N*B
-# --------------------------------------------------------------------------
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_mirrored_fit_matches_single_device_large_batch(strategy, opt_name):
-    optimizer_fn = OPTIMIZERS[opt_name]
-    x, y = make_data(N * B * WINDOWS)
-
-    model, opt = _distributed_accumulating_fit(strategy, optimizer_fn, x, y)
-
-    # Reference: one device, no strategy, plain inner optimizer, batch N*B.
-    ref_model = make_mlp(seed=0)
-    ref_opt = optimizer_fn()
-    _fit(ref_model, ref_opt, x, y, N * B, EPOCHS)
-
-    updates = WINDOWS * EPOCHS
-    assert int(opt.micro_steps.numpy()) == N * updates
-    assert int(opt.iterations.numpy()) == updates == int(ref_opt.iterations.numpy())
-    # Training moved the weights (so the comparison means something).
-    assert max_abs_diff(weights(ref_model), weights(make_mlp(seed=0))) > 1e-2
-    assert max_abs_diff(weights(model), weights(ref_model)) <= TOL
-    # The inner optimizer's own state (moments, EMA shadows, iterations)
-    # equals the reference optimizer's, variable by variable.
-    inner_vars, ref_vars = opt.inner_optimizer.variables, ref_opt.variables
-    assert [_kind_and_shape(v) for v in inner_vars] == [_kind_and_shape(v) for v in ref_vars]
-    assert max_abs_diff(weights(inner_vars), weights(ref_vars)) <= TOL
-    # Every replica holds the same weights and inner-optimizer state.
-    _assert_replicas_identical(list(model.weights) + list(inner_vars))
-
-
 def _assert_replicas_identical(variables):
     for v in variables:
-        components = [np.asarray(c.numpy()) for c in v.value.values]
-        assert len(components) == REPLICAS, v.path
+        components = driver("keras3").replica_values(v, REPLICAS)
         for c in components[1:]:
             np.testing.assert_array_equal(c, components[0], err_msg=v.path)
 

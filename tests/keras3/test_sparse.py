@@ -9,32 +9,13 @@ from support.families import require
 require("keras3")  # first, before Keras is imported: skips the module elsewhere
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
 from accum_optimizer import AccumulatingOptimizer
-from support.reference import max_abs_diff, mse, weights
+from support.reference import densifications, max_abs_diff, mse, table_data, table_model, weights
 
 VOCAB, DIM = 40, 4
-
-
-def _embedding_model(vocab=VOCAB, dim=DIM):
-    keras.utils.set_random_seed(21)
-    inp = keras.Input((5,), dtype="int32")
-    h = keras.layers.Embedding(vocab, dim, name="table")(inp)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    out = keras.layers.Dense(2)(h)
-    return keras.Model(inp, out)
-
-
-def _data(n, vocab=VOCAB, seed=4):
-    rng = np.random.default_rng(seed)
-    # Few distinct ids, so micro-batches repeat ids (duplicate indices in
-    # the slices) and leave most rows untouched.
-    ids = rng.integers(0, 12, size=(n, 5)).astype("int32")
-    y = rng.normal(size=(n, 2)).astype("float32")
-    return ids, y
 
 
 def _step(model, opt, densify):
@@ -57,8 +38,8 @@ def _step(model, opt, densify):
 )
 def test_sparse_accumulation_matches_dense_large_batch(inner_fn):
     n, mb, windows = 4, 3, 3
-    x, y = _data(n * mb * windows)
-    ref, acc = _embedding_model(), _embedding_model()
+    x, y = table_data(n * mb * windows)
+    ref, acc = table_model(VOCAB, DIM), table_model(VOCAB, DIM)
     ref_opt = inner_fn()
     acc_opt = AccumulatingOptimizer(inner_fn(), gradient_accumulation_steps=n)
     ref_step, acc_step = _step(ref, ref_opt, densify=True), _step(acc, acc_opt, densify=False)
@@ -83,50 +64,25 @@ def _ops(graph):
     return list(graph.get_operations())
 
 
-def _densifications(ops, vocab, dim):
-    """Ops that turn slices into a dense tensor (TF's IndexedSlices-to-dense
-    conversion is an ``UnsortedSegmentSum``), or write a dense
-    ``(vocab, dim)`` value into a variable."""
-    bad = []
-    for op in ops:
-        if op.type == "UnsortedSegmentSum":
-            bad.append(op.type)
-        if op.type in ("AssignAddVariableOp", "AssignVariableOp"):
-            shape = op.inputs[1].shape
-            if shape.rank is not None and tuple(shape.as_list()) == (vocab, dim):
-                bad.append(op.type)
-    return bad
-
-
 def _traced_micro_step(model, opt, vocab):
-    x, y = _data(8, vocab)
+    x, y = table_data(8)
     return _step(model, opt, densify=False).get_concrete_function(tf.constant(x), tf.constant(y)).graph
 
 
-def test_micro_step_graph_scatter_adds_and_never_densifies_a_large_table():
-    # The ops outside the `cond` run on every micro-step; the update branch
-    # lives in its own function graph and may be dense (once per window).
-    vocab, dim = 200_000, 8
-    model = _embedding_model(vocab, dim)
-    opt = AccumulatingOptimizer(keras.optimizers.Adam(1e-3), gradient_accumulation_steps=8)
-    ops = _ops(_traced_micro_step(model, opt, vocab))
-    assert [op.type for op in ops].count("ResourceScatterAdd") == 1  # the table's slot
-    assert _densifications(ops, vocab, dim) == []
-
-
 def test_densification_check_catches_keras_builtin_accumulation():
-    # The check above is not vacuous: Keras' built-in accumulation densifies
-    # the embedding gradient on every micro-step (in its `cond`'s false
-    # branch, the accumulate step) and the same check sees it.
+    # The check of tests/contract/test_sparse.py is not vacuous: Keras'
+    # built-in accumulation densifies the embedding gradient on every
+    # micro-step (in its `cond`'s false branch, the accumulate step) and the
+    # same check sees it.
     from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
 
     vocab, dim = 200_000, 8
-    model = _embedding_model(vocab, dim)
+    model = table_model(vocab, dim)
     opt = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=8)
     graph = _traced_micro_step(model, opt, vocab)
     branches = [f for f in graph.as_graph_def().library.function if "cond_false" in f.signature.name]
     assert len(branches) == 1
-    assert _densifications(_ops(function_def_to_graph(branches[0])), vocab, dim) != []
+    assert densifications(_ops(function_def_to_graph(branches[0])), vocab, dim) != []
 
 
 def test_traced_step_keeps_no_accumulator_sized_constant_alive():
@@ -136,11 +92,11 @@ def test_traced_step_keeps_no_accumulator_sized_constant_alive():
     # allocator may hold only small extras, not another table.
     vocab, dim = 400_000, 16
     table_bytes = vocab * dim * 4
-    model = _embedding_model(vocab, dim)
+    model = table_model(vocab, dim)
     opt = AccumulatingOptimizer(keras.optimizers.SGD(0.1), gradient_accumulation_steps=4)
     opt.build(model.trainable_variables)
     step = _step(model, opt, densify=False)
-    x, y = _data(8, vocab)
+    x, y = table_data(8)
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     step(tf.constant(x), tf.constant(y))
     after = tf.config.experimental.get_memory_info("CPU:0")["current"]

@@ -102,15 +102,15 @@ FEATURES = [
         **_contract("test_nonfinite.py", "test_float16_variables_accumulate_in_float32_and_cast_once_per_update"),
     }),
     Feature("sparse windows (embeddings: scatter-add, never dense)", {
-        "keras3": "keras3/test_sparse.py::test_micro_step_graph_scatter_adds_and_never_densifies_a_large_table",
-        "keras2": "keras2/test_sparse.py::test_micro_step_graph_scatter_adds_and_never_densifies_a_large_table",
+        "keras3": "contract/test_sparse.py::test_micro_step_graph_scatter_adds_and_never_densifies_a_large_table",
+        "keras2": "contract/test_sparse.py::test_micro_step_graph_scatter_adds_and_never_densifies_a_large_table",
         "legacy": "legacy/test_sparse.py::test_micro_step_scatter_adds_and_never_densifies",
         "tf1": "tf1/test_semantics.py::test_sparse_gradients_are_scatter_added_never_densified",
     }),
     Feature("`MirroredStrategy` equals the single-device large batch", {
-        "keras3": "keras3/test_distribution.py::test_mirrored_fit_matches_single_device_large_batch",
-        "keras2": "keras2/test_distribution.py::test_mirrored_fit_matches_single_device_large_batch",
-        "legacy": "legacy/test_distribution.py::test_mirrored_fit_matches_single_device_large_batch",
+        "keras3": "contract/test_mirrored.py::test_mirrored_fit_matches_single_device_large_batch",
+        "keras2": "contract/test_mirrored.py::test_mirrored_fit_matches_single_device_large_batch",
+        "legacy": "contract/test_mirrored.py::test_mirrored_fit_matches_single_device_large_batch",
         "tf1": NO_STRATEGY,
     }),
     Feature("`MultiWorkerMirroredStrategy`, one all-reduce per update", {

@@ -96,6 +96,41 @@ def embedding_data(n: int, seed: int = 1, vocab_used: int = VOCAB):
     return x, rng.normal(size=(n, OUT)).astype(np.float32)
 
 
+def table_model(vocab: int, dim: int, seed: int = 21):
+    """Embedding(vocab, dim) named ``table`` -> GlobalAveragePooling1D ->
+    Dense(2), on 5 ids a sample: the table's gradient is a
+    ``tf.IndexedSlices``."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(vocab, dim, name="table")(inp)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(inp, keras.layers.Dense(2)(h))
+
+
+def table_data(n: int, seed: int = 4):
+    """Ids for :func:`table_model`: few distinct ones (0-11), so micro-batches
+    repeat ids (duplicate indices in the slices) and leave most rows of the
+    table untouched in every window."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 12, size=(n, 5)).astype("int32")
+    return ids, rng.normal(size=(n, 2)).astype("float32")
+
+
+def densifications(ops, vocab: int, dim: int) -> list:
+    """The ops among ``ops`` that turn slices into a dense tensor (TF's
+    IndexedSlices-to-dense conversion is an ``UnsortedSegmentSum``), or write a
+    dense ``(vocab, dim)`` value into a variable."""
+    bad = []
+    for op in ops:
+        if op.type == "UnsortedSegmentSum":
+            bad.append(op.type)
+        if op.type in ("AssignAddVariableOp", "AssignVariableOp"):
+            shape = op.inputs[1].shape
+            if shape.rank is not None and tuple(shape.as_list()) == (vocab, dim):
+                bad.append(op.type)
+    return bad
+
+
 def mse(y, p):
     return tf.reduce_mean(tf.square(tf.cast(y, p.dtype) - p))
 
@@ -129,6 +164,22 @@ def train(model, optimizer, x, y, batch: int, steps: int, loss_fn=mse, mode: str
         sl = slice(s * batch, (s + 1) * batch)
         step(tf.constant(x[sl]), tf.constant(y[sl]))
     return model
+
+
+def train_updates(step, x, y, n: int, b: int, updates: int, accumulate: bool, record: Callable) -> list:
+    """``updates`` updates on consecutive samples of ``x, y``: each N calls of
+    ``step`` on micro-batches of ``b`` (``accumulate``) or one call on the
+    batch of N·b; ``record()`` after each update, its results returned."""
+    out = []
+    for u in range(updates):
+        xs, ys = x[u * n * b:(u + 1) * n * b], y[u * n * b:(u + 1) * n * b]
+        if accumulate:
+            for k in range(n):
+                step(tf.constant(xs[k * b:(k + 1) * b]), tf.constant(ys[k * b:(k + 1) * b]))
+        else:
+            step(tf.constant(xs), tf.constant(ys))
+        out.append(record())
+    return out
 
 
 def reference_and_accumulated(
@@ -189,15 +240,9 @@ def run_pair(make_inner, n, b, updates, model_fn=dense_model, data_fn=dense_data
         if reduction == "sum" and not accumulate:
             ref_loss = lambda y_, p_: loss_fn(y_, p_) * n  # noqa: E731 - the "sum" reference
         step = make_train_step(model, opt, ref_loss, mode=mode)
-        trajectory = []
-        for u in range(updates):
-            xs, ys = x[u * n * b:(u + 1) * n * b], y[u * n * b:(u + 1) * n * b]
-            if accumulate:
-                for k in range(n):
-                    step(tf.constant(xs[k * b:(k + 1) * b]), tf.constant(ys[k * b:(k + 1) * b]))
-            else:
-                step(tf.constant(xs), tf.constant(ys))
-            trajectory.append([w.numpy().copy() for w in model.weights] + [w.numpy().copy() for w in inner.weights])
+        trajectory = train_updates(
+            step, x, y, n, b, updates, accumulate,
+            record=lambda: [w.numpy().copy() for w in model.weights] + [w.numpy().copy() for w in inner.weights])
         out.append({"model": model, "opt": opt, "inner": inner, "trajectory": trajectory,
                     "initial": [w.numpy() for w in model_fn().weights]})
     return out[0], out[1]
