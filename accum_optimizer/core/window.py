@@ -10,7 +10,8 @@ One call of :func:`micro_step` is one micro-step:
    (``WindowState.combine``: float8 scaling state) instead keeps the
    element-wise maximum of its values in the window, unweighted.
 2. ``micro_steps += 1``, ``mini_step += 1``, ``grad_received |= mask``.
-3. If ``mini_step`` reaches the window's N (:func:`window_length`):
+3. If ``mini_step`` reaches the window's N (:func:`window_length`; decided
+   before step 2, from ``mini_step + 1``: below):
    :func:`close_window` calls the inner optimizer once with the window's
    gradient (``Σ cᵢ·gᵢ / Σ cᵢ`` for ``"mean"``, ``Σ cᵢ·gᵢ`` for ``"sum"``),
    gated per variable by ``grad_received`` (a ``"max"`` variable gets its
@@ -24,10 +25,18 @@ One call of :func:`micro_step` is one micro-step:
 ``Σ cᵢ``, never by N). A window whose counts sum to 0 is discarded instead of
 applied. :func:`pass_through` is N = 1 without a window.
 
+Whether step 3 runs is decided before step 2 counts: from ``mini_step + 1``,
+``mini_step`` read before any write of the micro-step (:func:`window_closes`),
+as Keras' built-in accumulation decides from ``iterations + 1``. The decision
+is a read, so it waits for nothing of the micro-step: neither its gradients
+nor its counter writes (which are ordered after it: a TF1 graph orders
+nothing by itself, and the read must not see this micro-step's count).
+
 Every write of a micro-step waits for that micro-step's gradients
 (``backend.after``): otherwise a traced step whose input ends (``OutOfRange``
 from a dataset of unknown length) would still run the counter writes, which
 have no data dependency on the gradients: a phantom micro-step per epoch.
+The reads may run before the gradients exist: they write nothing.
 
 Non-finite gradients (``Rules.nonfinite``): ``"propagate"`` is the above.
 ``"skip_micro_step"``: a micro-step whose gradients are not all finite on
@@ -104,18 +113,18 @@ def micro_step(
     elif finite is False:
         with b.after(list(grads) + [weight]):
             return skipped_micro_step(b, state, rules, replicas)
+    # The decision first, from the position before this micro-step counts.
+    closes = window_closes(b, state, rules)
     with b.after(list(grads) + [weight]):
         if rules.nonfinite != "propagate":
             ok = b.cast(finite, "bool") if finite is not None else replicas.all(replicas.each(b.all_finite, grads))
             accumulated = b.cond(ok, lambda: replicas.each(accumulate, b, state, grads, weight), _noop)
-        with b.after(accumulated):
+            if rules.nonfinite == "skip_micro_step":
+                # A skipped micro-step is not counted, and closes nothing.
+                closes = b.logical_and(ok, closes)
+        with b.after([accumulated, closes]):  # the count after the read that decided
             counted = count(b, state, mask, rules.nonfinite, ok)
         with b.after(counted):
-            closes = window_closes(b, state, rules)
-            if rules.nonfinite == "skip_micro_step":
-                # A skipped micro-step is not counted: the counters still
-                # hold what closed the previous window.
-                closes = b.logical_and(ok, closes)
             weighted = weight is not None if rules.weighted is None else rules.weighted
             return b.cond(
                 closes, lambda: close_window(b, state, rules, replicas, sparse, mask, weighted), _noop
@@ -224,10 +233,13 @@ def window_length(b: Backend, rules: Rules, state: WindowState) -> Any:
 
 
 def window_closes(b: Backend, state: WindowState, rules: Rules) -> Any:
-    """Boolean scalar: does the micro-step just counted close its window
-    (``mini_step >= N``)?"""
+    """Boolean scalar: does the micro-step about to be counted close its
+    window (``mini_step + 1 >= N``)? Call it before the micro-step counts:
+    it reads ``mini_step`` as the previous micro-steps left it (and the
+    schedule's N from ``updates``, which only the update moves)."""
     mini_step = b.read(state.mini_step)
-    return b.greater_equal(mini_step, b.cast(window_length(b, rules, state), b.dtype(mini_step)))
+    dtype = b.dtype(mini_step)
+    return b.greater_equal(b.add(mini_step, b.constant(1, dtype)), b.cast(window_length(b, rules, state), dtype))
 
 
 # ------------------------------------------------------- the end of a window
@@ -388,15 +400,15 @@ def skipped_micro_step(b: Backend, state: WindowState, rules: Rules, replicas: R
     ``skipped_micro_steps += 1``. ``"skip_window"``: also ``micro_steps`` and
     ``mini_step`` += 1 and the window is marked; if that closes the window,
     it is discarded."""
-    skipped = [increment(b, state.skipped_micro_steps)]
     if rules.nonfinite == "skip_micro_step":
-        return skipped
-    skipped += [b.assign(state.window_poisoned, b.ones_like(state.window_poisoned))] + advance(b, state)
+        return [increment(b, state.skipped_micro_steps)]
+    closes = window_closes(b, state, rules)
+    with b.after([closes]):
+        skipped = [increment(b, state.skipped_micro_steps),
+                   b.assign(state.window_poisoned, b.ones_like(state.window_poisoned))] + advance(b, state)
     with b.after(skipped):
         sparse = [False] * len(state.acc_grads)
-        return b.cond(
-            window_closes(b, state, rules), lambda: discard_window(b, state, sparse, replicas), _noop
-        )
+        return b.cond(closes, lambda: discard_window(b, state, sparse, replicas), _noop)
 
 
 def sparse_window(b: Backend, grad: Any, tracker: Any) -> bool:

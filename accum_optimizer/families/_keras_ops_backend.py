@@ -209,6 +209,7 @@ class KerasOpsBackend:
         return ops.maximum(ops.convert_to_tensor(x), y)
 
     where = staticmethod(ops.where)
+    add = staticmethod(ops.add)
     equal = staticmethod(ops.equal)
     greater = staticmethod(ops.greater)
     greater_equal = staticmethod(ops.greater_equal)

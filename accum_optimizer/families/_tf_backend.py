@@ -114,6 +114,7 @@ class TFBackend:
     read = staticmethod(tf.convert_to_tensor)
     cast = staticmethod(tf.cast)
     constant = staticmethod(tf.constant)
+    add = staticmethod(tf.math.add)
     equal = staticmethod(tf.equal)
     greater = staticmethod(tf.greater)
     greater_equal = staticmethod(tf.greater_equal)

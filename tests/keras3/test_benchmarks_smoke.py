@@ -310,3 +310,21 @@ def test_batchnorm_quick_run_writes_its_figures_and_the_pooled_rule_matches_the_
     # Averaging the micro-batch variances misses the spread between their means: low.
     assert frozen["accum-andreped"]["variance_error_vs_rule"] > 10 * frozen["accum-pooled-bn"]["variance_error_vs_rule"]
     assert frozen["accum-plain-bn"]["variance_error_vs_rule"] > 1e-2
+
+
+def test_update_overlap_tiny_run_writes_its_table_json_and_figure(tmp_path):
+    """`benchmarks.update_overlap --tiny`: three variants timed, the three
+    ratios with their intervals, the PNG, and the command in the Markdown."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.update_overlap", "--tiny", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = _load(tmp_path / "update_overlap.json")
+    assert data["benchmark"] == "update_overlap" and data["settings"]["rounds"] == 3
+    assert set(data["times_s"]) == {"accum", "builtin", "waiting"}
+    assert all(len(t[k]) == 3 for t in data["times_s"].values() for k in ("accumulate", "update"))
+    for ratio in ("accum/builtin", "waiting/builtin", "accum/waiting"):
+        r = data["ratios"][ratio]["update"]
+        assert r["ci_low"] <= r["median"] <= r["ci_high"], (ratio, r)
+    _check_png(tmp_path / "update_overlap.png")
+    assert "python -m benchmarks.update_overlap --tiny" in (tmp_path / "update_overlap.md").read_text()

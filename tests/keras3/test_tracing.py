@@ -9,6 +9,9 @@
 * The traced step grows with the model no faster than Keras' built-in
   accumulation's (ops per trainable variable, at the top level and inside
   the ``cond`` branches).
+* The window's ``cond`` is decided before the micro-step counts: its
+  predicate is computed from a read of the window's position alone, ordered
+  after no write and no gradient (as the built-in's, from ``iterations``).
 
 Timings are the benchmark's (``benchmarks.step_profile``), not asserted here.
 """
@@ -117,6 +120,52 @@ def test_traced_step_grows_no_faster_with_the_model_than_keras_built_in_accumula
     ours = growth(lambda: AccumulatingOptimizer(keras.optimizers.Adam(1e-3), gradient_accumulation_steps=N))
     builtin = growth(lambda: keras.optimizers.Adam(1e-3, gradient_accumulation_steps=N))
     assert ours <= builtin, (ours, builtin)
+
+
+_WRITES = ("Assign", "Scatter")  # op types that write a variable contain these
+
+
+def _ancestors(op) -> set:
+    """Every op ``op`` waits for in its graph: data and control inputs, transitively."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def _predicate_waits_for(make_optimizer) -> tuple:
+    """(the top-level ``cond`` s, and for each the op types its predicate
+    waits for that write a variable or read the step's inputs)."""
+    model = _model_of(2)
+    x, y = _data()
+    graph = _step(model, make_optimizer()).get_concrete_function(x, y).graph
+    inputs = {t.op for t in graph.inputs if t.dtype != tf.resource}
+    conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    found = []
+    for op in conds:
+        ancestors = _ancestors(op.inputs[0].op)
+        found.append(sorted({a.type for a in ancestors if any(w in a.type for w in _WRITES)}
+                            | {"the step's inputs" for a in ancestors if a in inputs}))
+    return conds, found
+
+
+def test_window_is_decided_before_the_micro_step_counts_and_before_its_gradients():
+    """The window's ``cond`` predicate (``mini_step + 1 >= N``) waits for no
+    variable write (the micro-step's counters are written after it) and for
+    nothing computed from the step's inputs (no gradient): the decision is
+    ready when the step starts. Reference: Keras' built-in accumulation,
+    whose predicate (``(iterations + 1) % N == 0``) has the same property."""
+    conds, found = _predicate_waits_for(
+        lambda: AccumulatingOptimizer(keras.optimizers.Adam(1e-3), gradient_accumulation_steps=N))
+    assert len(conds) == 1, [op.name for op in conds]  # the window's
+    assert found == [[]]
+    builtin_conds, builtin_found = _predicate_waits_for(
+        lambda: keras.optimizers.Adam(1e-3, gradient_accumulation_steps=N))
+    assert len(builtin_conds) == 1 and builtin_found == [[]], builtin_found
 
 
 # ------------------------------------------- a model built in the traced step

@@ -117,6 +117,9 @@ class NumpyBackend:
     def constant(self, value: Any, dtype: Any) -> np.ndarray:
         return np.array(value, dtype=dtype)
 
+    def add(self, x: Any, y: Any) -> np.ndarray:
+        return np.add(array(x), array(y))
+
     def equal(self, x: Any, y: Any) -> np.ndarray:
         return np.equal(array(x), array(y))
 
