@@ -12,9 +12,21 @@ instance of that family's optimizer base class.
   (``tf.compat.v1.train.Optimizer``, with ``Session``, ``global_step``,
   ``Saver``).
 
-What they share, once: :mod:`~accum_optimizer.families._tf_backend` (the core's
-backend in TensorFlow), :mod:`~accum_optimizer.families._tf_route` (the three
-``tf.function`` families), :mod:`~accum_optimizer.families._keras2` (the two
-Keras 2 families), :mod:`~accum_optimizer.families._tf1_graph` (TF1 graph
-plumbing).
+What they share, once, by role:
+
+* the window object every wrapper holds: :mod:`~accum_optimizer.families._window`
+  (and, for the ``keras.optimizers``-style wrappers, their shared base:
+  :mod:`~accum_optimizer.families._accumulating`);
+* backends (the core's arithmetic and writes in a framework):
+  :mod:`~accum_optimizer.families._tf_backend`,
+  :mod:`~accum_optimizer.families._keras_ops_backend`;
+* routes (how a micro-step reaches the window in a framework):
+  :mod:`~accum_optimizer.families._tf_route` (the three ``tf.function``
+  families), :mod:`~accum_optimizer.families._keras_ops_route` (Keras 3 on
+  JAX and torch), :mod:`~accum_optimizer.families._tf1_graph` (TF1 graphs);
+* :mod:`~accum_optimizer.families._keras2` (the two Keras 2 families) and
+  :mod:`~accum_optimizer.families._fit` (the fit tools').
+
+The window's variables, their order and their saved layout are data:
+:mod:`accum_optimizer.core.layout`.
 """
