@@ -348,6 +348,9 @@ class AccumulatingBase(_args.Constructor):
     _LAYOUT_NAME: str
     _LAYOUT: layout.Layout
 
+    # Appended to the error of state that fits no layout.
+    _RESTORE_HINT = ""
+
     def _saved_blocks(self) -> dict:
         """``{block name: variables}``, every block of :attr:`_LAYOUT`: the
         wrapper's own (``"own"``), the inner optimizer's (``"inner"``) and the
@@ -396,10 +399,10 @@ class AccumulatingBase(_args.Constructor):
         variables = layout.fitting(self._LAYOUT, self._saved_blocks(), saved)
         if len(saved) != len(variables):
             raise ValueError(
-                f"Cannot restore optimizer '{name}': the saved state must have one array per optimizer "
-                f"variable (or per variable of an earlier layout): expected {len(variables)}, received "
+                f"Cannot restore optimizer '{name}': the saved state must hold one array per variable of "
+                f"the optimizer's variables (or of an earlier layout's): expected {len(variables)}, received "
                 f"{len(saved)}. Was it saved with a different inner optimizer, gradient_accumulation_steps, "
-                "nonfinite policy or model?"
+                f"nonfinite policy or model?{self._RESTORE_HINT}"
             )
         assign_all(variables, saved, variable_name)
         restored = {id(v) for v in variables}

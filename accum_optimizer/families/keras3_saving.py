@@ -30,6 +30,11 @@ _OUTER_KEY = "outer_optimizer."
 class Keras3Saving:
     """The Keras 3 wrapper's saving, restoring and outer ``LossScaleOptimizer``."""
 
+    _RESTORE_HINT = (
+        " To load only the model's weights, use keras.saving.load_weights(model, path, "
+        "objects_to_skip=[model.optimizer]) on a .weights.h5 file."
+    )
+
     # ------------------------------------------- a LossScaleOptimizer outside
     @property
     def outer_optimizer(self) -> Any:
