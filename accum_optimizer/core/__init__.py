@@ -7,6 +7,8 @@
 * :mod:`~accum_optimizer.core.window`: the algorithm: :func:`micro_step`,
   :func:`close_window`, :func:`flush`, :func:`pass_through`,
   :func:`resume_position`, :func:`window_length`.
+* :mod:`~accum_optimizer.core.layout`: the window's variables as data: each
+  family's saved order and build order.
 
 Nothing here imports a framework: a new family or backend supplies a
 :class:`Backend` (``accum_optimizer/families/_tf_backend.py`` is TensorFlow's).
