@@ -230,10 +230,6 @@ class Window:
                     remove, self.remove_gates = self.remove_gates, None
                     remove()
 
-    def gate_keys(self, gates: dict, key: Callable[[Any], Any]) -> dict:
-        """``gates`` keyed by ``key(variable)`` instead of build-order index."""
-        return {key(self.build_order[i]): g for i, g in gates.items()}
-
     # ---------------------------------------------------------------- layout
     def block_variables(self) -> list:
         """Every variable of the optional blocks (``blocks``), in their order."""
