@@ -107,42 +107,70 @@ def micro_step(
     check_state(state, rules)
     mask = [0 if g is None else 1 for g in grads]
     sparse = [sparse_window(b, g, state.rows_tracker(i)) for i, g in enumerate(grads)]
-    if rules.nonfinite == "propagate":
-        ok = None
-        accumulated = replicas.each(accumulate, b, state, grads, weight)  # (each write waits for its gradient)
-    elif finite is False:
+    weighted = weight is not None if rules.weighted is None else rules.weighted
+    if rules.nonfinite != "propagate" and finite is False:
         with b.after(list(grads) + [weight]):
-            return skipped_micro_step(b, state, rules, replicas)
-    # The decision first, from the position before this micro-step counts.
-    closes = window_closes(b, state, rules)
+            return skipped_micro_step(b, state, rules, replicas, sparse, weighted)
+
+    def counted() -> Any:  # a finite micro-step: every one under "propagate"
+        return b.cond(
+            closes,
+            lambda: [increment(b, state.micro_steps),
+                     close_window(b, state, rules, replicas, sparse, mask, weighted, grads, weight)],
+            lambda: [replicas.each(accumulate, b, state, grads, weight),
+                     *advance(b, state), *mark_received(b, state, mask)],
+        )
+
+    if rules.nonfinite == "propagate":
+        # The decision, from the position before this micro-step counts,
+        # waits for one gradient (the guard of every write: all are in the
+        # branches) and for the weight's checks.
+        with b.after(guard(grads) + [weight]):
+            closes = window_closes(b, state, rules)
+        return counted()
     with b.after(list(grads) + [weight]):
-        if rules.nonfinite != "propagate":
-            ok = b.cast(finite, "bool") if finite is not None else replicas.all(replicas.each(b.all_finite, grads))
-            accumulated = b.cond(ok, lambda: replicas.each(accumulate, b, state, grads, weight), _noop)
-            if rules.nonfinite == "skip_micro_step":
-                # A skipped micro-step is not counted, and closes nothing.
-                closes = b.logical_and(ok, closes)
-        with b.after([accumulated, closes]):  # the count after the read that decided
-            counted = count(b, state, mask, rules.nonfinite, ok)
-        with b.after(counted):
-            weighted = weight is not None if rules.weighted is None else rules.weighted
-            return b.cond(
-                closes, lambda: close_window(b, state, rules, replicas, sparse, mask, weighted), _noop
-            )
+        ok = b.cast(finite, "bool") if finite is not None else replicas.all(replicas.each(b.all_finite, grads))
+        closes = window_closes(b, state, rules)
+        return b.cond(ok, counted, lambda: skipped_micro_step(b, state, rules, replicas, sparse, weighted))
+
+
+def guard(grads: Sequence[Any]) -> list:
+    """The gradient every write of a micro-step waits for (as a one-item
+    list; empty if all are ``None``): the last in build order, which for a
+    model's variables in layer order is the first the backward pass
+    computes, so that each variable's writes (and, on an update, its inner
+    update) can start as soon as its own gradient exists, as Keras'
+    built-in's do. Any gradient will do as a guard: each depends on the
+    step's input, so a step whose input ends runs no write."""
+    present = [g for g in grads if g is not None]
+    return present[-1:]
 
 
 def accumulate(b: Backend, state: WindowState, grads: Sequence[Any], weight: Any = None) -> list:
     """Step 1 (in each replica): ``acc_grads[i] += weight * grads[i]``,
     ``window_weight += weight`` (1 without one), rows marked."""
+    return [add_count(b, state, weight), *[op for ops in add_gradients(b, state, grads, weight) for op in ops]]
+
+
+def add_count(b: Backend, state: WindowState, weight: Any = None) -> Any:
+    """``window_weight += weight`` (1 without one), after the weight's checks."""
+    with b.after([weight]):
+        dtype = b.dtype(state.window_weight)
+        count = b.constant(1.0, dtype) if weight is None else b.cast(weight, dtype)
+        return b.assign_add(state.window_weight, count)
+
+
+def add_gradients(b: Backend, state: WindowState, grads: Sequence[Any], weight: Any = None) -> list:
+    """``acc_grads[i] += weight * grads[i]`` and the rows marked: per
+    variable, the list of its writes (empty for a ``None`` gradient)."""
     # Each variable's writes wait for its own gradient only, so that they
     # run while the backward pass computes the others' (waiting for all of
-    # them cost 4 ms of a 38 ms micro-step: docs/performance.md). The
-    # count, which has no data dependency on any gradient, waits for all of
-    # them and for the weight's checks (under a strategy this runs in each
-    # replica's thread, outside the caller's ordering scope).
-    done = []
+    # them cost 4 ms of a 38 ms micro-step: docs/performance.md).
+    written: list = []
     received = None
     for i, (acc, grad) in enumerate(zip(state.acc_grads, grads)):
+        done: list = []
+        written.append(done)
         if grad is None:
             continue
         with b.after([grad, weight]):
@@ -156,7 +184,7 @@ def accumulate(b: Backend, state: WindowState, grads: Sequence[Any], weight: Any
                 first = b.equal(received[i], 0)
                 done.append(b.assign(acc, b.where(first, g, b.maximum(b.read(acc), g))))
                 continue
-            done.append(b.assign_add(acc, g if weight is None else b.scale(g, weight)))
+            done.append(b.assign_add(acc, contribution(b, acc, grad, weight, g)))
             tracker = state.rows_tracker(i)
             if tracker is None:
                 continue
@@ -165,35 +193,14 @@ def accumulate(b: Backend, state: WindowState, grads: Sequence[Any], weight: Any
                 done.append(b.scatter_update(tracker, indices, b.fill_rows_like(tracker, indices, 1)))
             else:  # a dense gradient touches every row
                 done.append(b.assign(tracker, b.fill_like(tracker, 1)))
-    with b.after(list(grads) + [weight]):
-        dtype = b.dtype(state.window_weight)
-        count = b.constant(1.0, dtype) if weight is None else b.cast(weight, dtype)
-        return [b.assign_add(state.window_weight, count), *done]
+    return written
 
 
-def count(b: Backend, state: WindowState, mask: Sequence[int], nonfinite: str, ok: Any) -> Any:
-    """Step 2 under each policy (``ok``: the finiteness flag, or ``None``).
-
-    ``"propagate"``: ``micro_steps``, ``mini_step`` += 1, ``grad_received |=
-    mask``. ``"skip_micro_step"``: that if finite, else only
-    ``skipped_micro_steps += 1``. ``"skip_window"``: the counters move either
-    way (the micro-batch is one of the window's N); finite: ``grad_received
-    |= mask``, else ``skipped_micro_steps += 1`` and the window is marked.
-    """
-    if nonfinite == "propagate":
-        return advance(b, state) + mark_received(b, state, mask)
-
-    def skipped() -> list:
-        done = [increment(b, state.skipped_micro_steps)]
-        if nonfinite == "skip_window":
-            done.append(b.assign(state.window_poisoned, b.ones_like(state.window_poisoned)))
-        return done
-
-    if nonfinite == "skip_micro_step":
-        return b.cond(ok, lambda: advance(b, state) + mark_received(b, state, mask), skipped)
-    counted = advance(b, state)
-    with b.after(counted):
-        return [counted, b.cond(ok, lambda: mark_received(b, state, mask), skipped)]
+def contribution(b: Backend, acc: Any, grad: Any, weight: Any = None, cast: Any = None) -> Any:
+    """What a micro-step adds to an accumulator: ``weight * grad`` in the
+    accumulator's dtype (``cast``: ``grad`` already cast)."""
+    g = b.cast_gradient(grad, b.dtype(acc)) if cast is None else cast
+    return g if weight is None else b.scale(g, weight)
 
 
 def advance(b: Backend, state: WindowState) -> list:
@@ -251,9 +258,15 @@ def close_window(
     sparse: Sequence[bool],
     mask: Sequence[int],
     weighted: bool,
+    grads: Sequence[Any] | None = None,
+    weight: Any = None,
 ) -> Any:
     """One inner update with the window gradient or, for a window marked
     non-finite (``"skip_window"``) or whose counts sum to 0, a discard.
+
+    ``grads`` and ``weight``: the closing micro-step's, added to the window
+    here (:func:`apply_window`), or ``None`` (:func:`flush`, a skipped
+    micro-step).
 
     The normaliser of ``"mean"``: ``weighted`` (counts may differ between
     replicas): ``window_weight`` summed over replicas, divided by their
@@ -262,30 +275,29 @@ def close_window(
     reduction under a strategy). Otherwise each replica's own
     ``window_weight``, with no reduction.
     """
-    if weighted:
-        total = b.read(state.window_weight)
-        divisor = b.divide(total, b.cast(replicas.count, b.dtype(total))) if replicas.count != 1 else total
-    else:
-        total, divisor = None, LOCAL_COUNT
-
-    def update() -> Any:
-        applied = replicas.each(apply_window, b, state, sparse, mask, divisor, rules.reduction)
-        with b.after(applied):
-            return restart_window(b, state)
 
     def drop() -> Any:
         return discard_window(b, state, sparse, replicas, count_skipped=False)
 
-    def weighted_update() -> Any:
-        if total is None:
-            return update()
-        return b.cond(b.greater(total, 0), update, drop)
+    def update_or_drop() -> Any:
+        counted = None if grads is None else replicas.each(add_count, b, state, weight)
+        if not weighted:
+            return update(LOCAL_COUNT, counted)
+        with b.after([counted]):
+            total = b.read(state.window_weight)
+        divisor = b.divide(total, b.cast(replicas.count, b.dtype(total))) if replicas.count != 1 else total
+        return b.cond(b.greater(total, 0), lambda: update(divisor, counted), drop)
+
+    def update(divisor: Any, counted: Any) -> Any:
+        applied = replicas.each(apply_window, b, state, sparse, mask, divisor, rules.reduction, grads, weight, counted)
+        with b.after(applied):
+            return restart_window(b, state)
 
     if rules.nonfinite != "skip_window":
-        ended = weighted_update()
+        ended = update_or_drop()
     else:
         poisoned = b.greater(b.read(state.window_poisoned), 0)
-        ended = b.cond(poisoned, lambda: discard_window(b, state, sparse, replicas), weighted_update)
+        ended = b.cond(poisoned, lambda: discard_window(b, state, sparse, replicas), update_or_drop)
     if not state.followers:
         return ended
     with b.after(ended):  # a discarded window ends too: the large batch's forward pass still ran
@@ -293,31 +305,65 @@ def close_window(
 
 
 def apply_window(
-    b: Backend, state: WindowState, sparse: Sequence[bool], mask: Sequence[int], divisor: Any, reduction: str
+    b: Backend,
+    state: WindowState,
+    sparse: Sequence[bool],
+    mask: Sequence[int],
+    divisor: Any,
+    reduction: str,
+    grads: Sequence[Any] | None = None,
+    weight: Any = None,
+    counted: Any = None,
 ) -> list:
-    """In each replica: the inner update with the window's gradients (a
-    ``"max"`` variable's window maximum as is), then the accumulators zeroed
-    (only the touched rows of a sparse window)."""
-    rows = [b.touched(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)]
-    handed = [r if r is not None and state.hands_sparse(i) else None for i, r in enumerate(rows)]
-    dtypes = state.variable_dtypes or [None] * len(state.acc_grads)
-    if divisor is LOCAL_COUNT:
-        divisor = b.read(state.window_weight)  # this replica's
-    window = [
-        b.cast_gradient(
-            read_window(b, acc, "max") if state.combined_by_max(i)
-            else window_gradient(b, acc, divisor, reduction, r), dtype
-        )
-        for i, (acc, r, dtype) in enumerate(zip(state.acc_grads, handed, dtypes))
+    """In each replica: the closing micro-step's ``grads`` added (if
+    given), the inner update with the window's gradients (a ``"max"``
+    variable's window maximum as is), then the accumulators zeroed (only the
+    touched rows of a sparse window).
+
+    Each variable's window is read after its own writes only, and the
+    divisor after ``counted`` (this replica's ``window_weight += c``, which
+    waits for no gradient): each variable's inner update waits for its own
+    gradient, as Keras' built-in's does, not for the whole backward pass.
+    """
+    n = len(state.acc_grads)
+    grads = [None] * n if grads is None else list(grads)
+    # A dense gradient summed into one accumulator joins the window as a
+    # value, ``acc + c·g`` (what the write would have stored, bitwise), not
+    # written first: one pass over the accumulator fewer, as Keras' built-in
+    # (``acc + g``). The others are written first, and read after their own
+    # writes only.
+    direct = [
+        g is not None and not b.is_sparse(g) and state.rows_tracker(i) is None
+        and not state.combined_by_max(i) and getattr(b, "read_window", None) is None
+        for i, g in enumerate(grads)
     ]
+    written = add_gradients(b, state, [None if d else g for g, d in zip(grads, direct)], weight)
+    dtypes = state.variable_dtypes or [None] * n
+    if divisor is LOCAL_COUNT:
+        with b.after([counted]):
+            divisor = b.read(state.window_weight)  # this replica's
+    rows, window = [], []
+    for i, acc in enumerate(state.acc_grads):
+        with b.after(written[i]):
+            r = b.touched(state.rows_tracker(i)) if sparse[i] else None
+            handed = r if r is not None and state.hands_sparse(i) else None
+            added = contribution(b, acc, grads[i], weight) if direct[i] else None
+            value = (
+                read_window(b, acc, "max") if state.combined_by_max(i)
+                else window_gradient(b, acc, divisor, reduction, handed, added)
+            )
+        rows.append(r)
+        window.append(b.cast_gradient(value, dtypes[i]))
     received = b.read(state.grad_received) if not all(mask) else None
     gates = {i: b.greater(received[i], 0) for i, m in enumerate(mask) if not m}
     applied = b.apply_inner(window, gates)
-    with b.after(applied):
+    with b.after([applied, *written]):
         return reset(b, state, rows)
 
 
-def window_gradient(b: Backend, acc: Any, divisor: Any, reduction: str, rows: Any = None) -> Any:
+def window_gradient(
+    b: Backend, acc: Any, divisor: Any, reduction: str, rows: Any = None, added: Any = None
+) -> Any:
     """The gradient one update applies, from one accumulator.
 
     ``"mean"``: ``acc / divisor``, the window's count ``Σ cᵢ``: for a loss
@@ -329,6 +375,8 @@ def window_gradient(b: Backend, acc: Any, divisor: Any, reduction: str, rows: An
     trained on its own sparse gradient).
     """
     value = read_window(b, acc, "sum") if rows is None else b.gather_rows(acc, rows)
+    if added is not None:  # the closing micro-step's dense contribution, not written
+        value = b.add(value, added)
     if reduction == "mean":
         value = b.divide(value, b.cast(divisor, b.dtype(value)))
     return value if rows is None else b.sparse(value, rows, acc)
@@ -394,12 +442,14 @@ def zero_accumulators(b: Backend, state: WindowState, sparse: Sequence[bool]) ->
     return reset(b, state, [b.touched(state.rows_tracker(i)) if s else None for i, s in enumerate(sparse)])
 
 
-def skipped_micro_step(b: Backend, state: WindowState, rules: Rules, replicas: Replicas) -> Any:
-    """A micro-step known to be non-finite when it is built (one an outer
-    loss-scale optimizer skipped): ``"skip_micro_step"``:
+def skipped_micro_step(
+    b: Backend, state: WindowState, rules: Rules, replicas: Replicas, sparse: Sequence[bool], weighted: bool
+) -> Any:
+    """A micro-step that is not finite: ``"skip_micro_step"``:
     ``skipped_micro_steps += 1``. ``"skip_window"``: also ``micro_steps`` and
     ``mini_step`` += 1 and the window is marked; if that closes the window,
-    it is discarded."""
+    it is discarded (:func:`close_window`: its followers end their windows
+    too)."""
     if rules.nonfinite == "skip_micro_step":
         return [increment(b, state.skipped_micro_steps)]
     closes = window_closes(b, state, rules)
@@ -407,8 +457,8 @@ def skipped_micro_step(b: Backend, state: WindowState, rules: Rules, replicas: R
         skipped = [increment(b, state.skipped_micro_steps),
                    b.assign(state.window_poisoned, b.ones_like(state.window_poisoned))] + advance(b, state)
     with b.after(skipped):
-        sparse = [False] * len(state.acc_grads)
-        return b.cond(closes, lambda: discard_window(b, state, sparse, replicas), _noop)
+        mask = [0] * len(state.acc_grads)
+        return b.cond(closes, lambda: close_window(b, state, rules, replicas, sparse, mask, weighted), _noop)
 
 
 def sparse_window(b: Backend, grad: Any, tracker: Any) -> bool:
