@@ -27,23 +27,30 @@ applied. :func:`pass_through` is N = 1 without a window.
 
 Whether step 3 runs is decided before step 2 counts: from ``mini_step + 1``,
 ``mini_step`` read before any write of the micro-step (:func:`window_closes`),
-as Keras' built-in accumulation decides from ``iterations + 1``. The decision
-is a read, so it waits for nothing of the micro-step: neither its gradients
-nor its counter writes (which are ordered after it: a TF1 graph orders
-nothing by itself, and the read must not see this micro-step's count).
+as Keras' built-in accumulation decides from ``iterations + 1``. Every
+write of the micro-step is in the branches of that decision's ``cond``: the
+window's last micro-step adds its gradients in step 3 (a dense gradient as
+a value, ``acc + c·g``, never written), the others in step 1.
 
-Every write of a micro-step waits for that micro-step's gradients
-(``backend.after``): otherwise a traced step whose input ends (``OutOfRange``
-from a dataset of unknown length) would still run the counter writes, which
-have no data dependency on the gradients: a phantom micro-step per epoch.
-The reads may run before the gradients exist: they write nothing.
+The decision waits for one gradient (:func:`guard`, the last in build
+order: the first the backward pass computes), and so does every write: a
+traced step whose input ends (``OutOfRange`` from a dataset of unknown
+length) runs none of them, not even the counters, which have no data
+dependency on the gradients (else: a phantom micro-step per epoch).
+Beyond that, each variable's writes wait for its own gradient only, and on
+the last micro-step so does its window gradient (the divisor is
+``window_weight`` after ``+= c``, which waits for no gradient): once
+TensorFlow lowers the ``cond`` (XLA off), the update of each variable's
+window starts while the backward pass computes the others', as the
+built-in's does (``docs/performance.md``).
 
 Non-finite gradients (``Rules.nonfinite``): ``"propagate"`` is the above.
 ``"skip_micro_step"``: a micro-step whose gradients are not all finite on
 every replica adds nothing and is not counted (``skipped_micro_steps += 1``).
 ``"skip_window"``: it is counted but adds nothing and marks the window,
 whose last micro-step then discards it (``skipped_windows += 1``), as the
-large batch would skip its step.
+large batch would skip its step. Under both the micro-step's writes wait
+for its finiteness check, and so for all of its gradients.
 
 Accumulators may be wider than their variables (float32 for 16-bit
 weights): each gradient is cast to the accumulator's dtype when added, and

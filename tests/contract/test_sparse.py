@@ -3,11 +3,12 @@ accumulate: the traced micro-step scatter-adds an embedding table's gradient
 into its accumulator and never makes it dense.
 
 Reference: the op types of the micro-step's graph (a 200,000 x 8 table, N =
-8). The ops outside the update ``cond`` run on every micro-step; the update
-branch lives in its own function graph and may be dense (once per window).
-The check is shown not to be vacuous on the same step with the plain inner
-optimizer, which densifies the slices (an ``UnsortedSegmentSum``) or writes
-its slots densely.
+8): on an accumulate-only micro-step, the ops outside the window's ``cond``
+and those of its false branch. On an update (its true branch) the gradient
+is scatter-added too; the inner update there may be dense (once per
+window). The check is shown not to be vacuous on the same step with the
+plain inner optimizer, which densifies the slices (an ``UnsortedSegmentSum``)
+or writes its slots densely.
 """
 
 from __future__ import annotations
@@ -38,3 +39,5 @@ def test_micro_step_graph_scatter_adds_and_never_densifies_a_large_table(family,
     assert [op.type for op in ops].count("ResourceScatterAdd") == 1  # the table's accumulator
     assert densifications(ops, VOCAB, DIM) == []
     assert densifications(d.sparse_step_ops(VOCAB, DIM), VOCAB, DIM) != []  # the check is not vacuous
+    update = d.sparse_step_ops(VOCAB, DIM, n=N, branch="then_branch")
+    assert [op.type for op in update].count("ResourceScatterAdd") == 1  # the closing micro-step's, into the table

@@ -311,10 +311,11 @@ class KerasDriver(Driver):
         return [np.array(c.numpy()) for c in getattr(v, "values", [v])]
 
     # ----------------------------------------------------------- graphs
-    def sparse_step_ops(self, vocab: int, dim: int, n=None) -> list:
-        """The ops of one traced step (``tf.function``, 8 samples) of
-        ``R.table_model(vocab, dim)`` with Adam(1e-3), wrapped with N = ``n``
-        (``None``: the plain optimizer)."""
+    def sparse_step_ops(self, vocab: int, dim: int, n=None, branch: str = "else_branch") -> list:
+        """The ops one micro-step runs (``R.micro_step_ops``, ``branch`` of
+        the window's ``cond``) of a traced step (``tf.function``, 8 samples)
+        of ``R.table_model(vocab, dim)`` with Adam(1e-3), wrapped with N =
+        ``n`` (``None``: the plain optimizer)."""
         from accum_optimizer import AccumulatingOptimizer
 
         model = self.R.table_model(vocab, dim)
@@ -322,7 +323,7 @@ class KerasDriver(Driver):
         opt = inner if n is None else AccumulatingOptimizer(inner, gradient_accumulation_steps=n)
         x, y = self.R.table_data(8)
         step = self.R.make_train_step(model, opt, mode="graph")
-        return list(step.get_concrete_function(tf.constant(x), tf.constant(y)).graph.get_operations())
+        return self.R.micro_step_ops(step.get_concrete_function(tf.constant(x), tf.constant(y)).graph, branch)
 
     # ------------------------------------------------------- trainers
     def make_inner(self, spec: Inner):
