@@ -179,7 +179,9 @@ class Window:
         micro-step's op)."""
         resumed = None
         if resumes:
-            with b.after(grads):
+            # (after the gradient that guards the micro-step's writes, not all
+            # of them: the update must not wait for the whole backward pass)
+            with b.after(core.guard(grads)):
                 resumed = core.resume_position(b, state, rules, replicas=replicas)
         with b.after(resumed):
             out = core.micro_step(b, state, rules, grads, replicas=replicas, weight=weight, finite=finite)

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum_optimizer import AccumulatingOptimizer  # noqa: E402
+from support.graph_deps import Traced  # noqa: E402
 
 N = 4
 
@@ -124,82 +125,11 @@ def test_traced_step_grows_no_faster_with_the_model_than_keras_built_in_accumula
     assert ours <= builtin, (ours, builtin)
 
 
-_WRITES = ("Assign", "Scatter")  # op types that write a variable contain these
-
-
-def _ancestors(op) -> set:
-    """Every op ``op`` waits for in its graph: data and control inputs, transitively."""
-    seen, todo = set(), [op]
-    while todo:
-        current = todo.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
-
-
-class _Traced:
-    """A two-hidden-layer model's traced step with ``make_optimizer()``, and
-    its top-level ``cond`` (the one that picks update micro-steps)."""
-
-    def __init__(self, make_optimizer) -> None:
-        self.model = _model_of(2)
-        x, y = _data()
-        self.graph = _step(self.model, make_optimizer()).get_concrete_function(x, y).graph
-        inputs = {t.op for t in self.graph.inputs if t.dtype != tf.resource}
-        self.conds = [op for op in self.graph.get_operations() if op.type in ("If", "StatelessIf")]
-        self.from_inputs = {op for op in self.graph.get_operations() if _ancestors(op) & inputs}
-        [self.cond] = self.conds
-        # The cond's inputs computed from the step's inputs: the gradients.
-        self.gradient_inputs = [i for i, t in enumerate(self.cond.inputs[1:]) if t.op in self.from_inputs]
-
-    def cond_waits_for(self) -> tuple:
-        """(op types that write a variable, and the gradients among the
-        cond's inputs) that the cond waits for: its predicate's and its
-        control inputs' ancestors."""
-        waited = [self.cond.inputs[0].op, *self.cond.control_inputs]
-        ancestors = set(waited).union(*(_ancestors(op) for op in waited))
-        writes = sorted({a.type for a in ancestors if any(w in a.type for w in _WRITES)})
-        gradients = [i for i in self.gradient_inputs if self.cond.inputs[1 + i].op in ancestors]
-        return writes, gradients
-
-    def window_gradients_wait_for(self, accumulators) -> list:
-        """For each accumulator, the gradients (indices among the cond's
-        inputs) that its window gradient in the update branch waits for: the
-        ``RealDiv`` s downstream of its reads (``acc / Σcᵢ``), read from the
-        branch's ``FunctionDef``."""
-        library = {f.signature.name: f for f in self.graph.as_graph_def().library.function}
-        branch = library[self.cond.get_attr("then_branch").name]
-        args = [a.name for a in branch.signature.input_arg]
-        nodes = {n.name: n for n in branch.node_def}
-        parents = {name: [i.lstrip("^").split(":")[0] for i in n.input] for name, n in nodes.items()}
-        children: dict = {}
-        for name, ps in parents.items():
-            for p in ps:
-                children.setdefault(p, []).append(name)
-
-        def closure(start: list, edges: dict) -> set:
-            seen, todo = set(), list(start)
-            while todo:
-                for p in edges.get(todo.pop(), []):
-                    if p not in seen:
-                        seen.add(p)
-                        todo.append(p)
-            return seen
-
-        internal = {id(ext): internal for ext, internal in self.graph.captures}
-        gradients = {args[i]: i for i in self.gradient_inputs}
-        waits = []
-        for acc in accumulators:
-            handle = internal[id(acc.handle)]
-            arg = args[[t is handle for t in self.cond.inputs[1:]].index(True)]
-            reads = [n for n, node in nodes.items() if node.op == "ReadVariableOp" and parents[n] == [arg]]
-            divisions = [d for d in closure(reads, children) if nodes[d].op == "RealDiv"]
-            assert divisions, acc.path
-            first = min(divisions, key=lambda d: len(closure([d], parents)))
-            waits.append(sorted(gradients[a] for a in closure([first], parents) if a in gradients))
-        return waits
+def _traced(make_optimizer) -> Traced:
+    """A two-hidden-layer model's traced step with ``make_optimizer()``."""
+    model = _model_of(2)
+    x, y = _data()
+    return Traced(_step(model, make_optimizer()).get_concrete_function(x, y).graph, model)
 
 
 def _accumulating():
@@ -219,10 +149,10 @@ def test_window_is_decided_before_the_micro_step_counts_and_after_one_gradient()
     backward pass computes first. Reference: Keras' built-in accumulation,
     whose ``cond`` (on ``(iterations + 1) % N == 0``) waits for no write and
     no gradient (its ``iterations += 1`` has no such guard)."""
-    ours = _Traced(_accumulating)
+    ours = _traced(_accumulating)
     assert ours.cond_waits_for() == ([], [ours.gradient_inputs[-1]])
     assert len(ours.gradient_inputs) == len(ours.model.trainable_variables)
-    builtin = _Traced(_built_in)
+    builtin = _traced(_built_in)
     assert builtin.cond_waits_for() == ([], [])
 
 
@@ -233,7 +163,7 @@ def test_each_window_gradient_waits_for_its_own_gradient_only():
     backward pass computes the others', as Keras' built-in's ``(g + acc) / N``
     is (docs/performance.md)."""
     optimizer = _accumulating()
-    traced = _Traced(lambda: optimizer)
+    traced = _traced(lambda: optimizer)
     waits = traced.window_gradients_wait_for(optimizer.acc_grads)
     assert waits == [[i] for i in traced.gradient_inputs]
 

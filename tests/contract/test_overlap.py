@@ -1,0 +1,57 @@
+"""On an update micro-step the inner update can start while the backward
+pass still runs, as with Keras' built-in accumulation: the window's
+``cond`` in a traced step (``tf.function``, XLA off) waits for no variable
+write and for one gradient only (the guard that keeps a step whose input
+ends from writing anything: the last variable's, which the backward pass
+computes first), and each window gradient for its own gradient only.
+
+Reference: the graph itself (:mod:`support.graph_deps`); Keras 3's built-in
+accumulation, whose ``cond`` waits for no gradient at all, is the reference
+of ``tests/keras3/test_tracing.py``. Before the window's writes moved into
+the ``cond``'s branches, the ``cond`` waited for every gradient (both
+checks failed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support.drivers import FAMILIES, NotApplicable, driver, params
+from support.drivers.base import Inner
+
+N = 4
+
+
+def _cases(d):
+    if d.family == "tf1":
+        return NotApplicable("TF1 graph code has no automatic control dependencies: its train op orders its "
+                             "writes explicitly (tf1/test_semantics.py)")
+    return [None]
+
+
+def _traced(family):
+    import tensorflow as tf
+
+    from accum_optimizer import AccumulatingOptimizer
+    from support.graph_deps import Traced
+
+    d = driver(family)
+    model = d.pair_model()
+    optimizer = AccumulatingOptimizer(d.make_inner(Inner("adam", 1e-3)), gradient_accumulation_steps=N)
+    x, y = d.pair_data(3)
+    step = d.R.make_train_step(model, optimizer, mode="graph")
+    return Traced(step.get_concrete_function(tf.constant(x), tf.constant(y)).graph, model), optimizer
+
+
+@pytest.mark.parametrize("family, case", params(FAMILIES, _cases))
+def test_window_waits_for_one_gradient_and_no_write(family, case):
+    traced, _ = _traced(family)
+    assert len(traced.gradient_inputs) == len(traced.model.trainable_variables)
+    assert traced.cond_waits_for() == ([], [traced.gradient_inputs[-1]])
+
+
+@pytest.mark.parametrize("family, case", params(FAMILIES, _cases))
+def test_each_window_gradient_waits_for_its_own_gradient_only(family, case):
+    traced, optimizer = _traced(family)
+    waits = traced.window_gradients_wait_for(optimizer.acc_grads)
+    assert waits == [[i] for i in traced.gradient_inputs]
