@@ -33,10 +33,10 @@ window's last micro-step adds its gradients in step 3 (a dense gradient as
 a value, ``acc + c·g``, never written), the others in step 1.
 
 The decision waits for one gradient (:func:`guard`, the last in build
-order: the first the backward pass computes), and so does every write: a
-traced step whose input ends (``OutOfRange`` from a dataset of unknown
-length) runs none of them, not even the counters, which have no data
-dependency on the gradients (else: a phantom micro-step per epoch).
+order: the first the backward pass computes), and so does every write, and
+the counters, which have no data dependency on the gradients, wait for all
+of them: a traced step whose input ends (``OutOfRange`` from a dataset of
+unknown length) counts nothing (else: a phantom micro-step per epoch).
 Beyond that, each variable's writes wait for its own gradient only, and on
 the last micro-step so does its window gradient (the divisor is
 ``window_weight`` after ``+= c``, which waits for no gradient): once
@@ -119,13 +119,21 @@ def micro_step(
         with b.after(list(grads) + [weight]):
             return skipped_micro_step(b, state, rules, replicas, sparse, weighted)
 
+    def count(*counters: Callable[[], list]) -> list:
+        # The counters wait for every gradient: scalars nothing else waits
+        # for, so a step whose input ends counts nothing even where the
+        # guard does not depend on the input (a gradient of a
+        # regularisation term alone).
+        with b.after(list(grads) + [weight]):
+            return [op for counter in counters for op in counter()]
+
     def counted() -> Any:  # a finite micro-step: every one under "propagate"
         return b.cond(
             closes,
-            lambda: [increment(b, state.micro_steps),
+            lambda: [count(lambda: [increment(b, state.micro_steps)]),
                      close_window(b, state, rules, replicas, sparse, mask, weighted, grads, weight)],
             lambda: [replicas.each(accumulate, b, state, grads, weight),
-                     *advance(b, state), *mark_received(b, state, mask)],
+                     count(lambda: advance(b, state), lambda: mark_received(b, state, mask))],
         )
 
     if rules.nonfinite == "propagate":
