@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 from accum_optimizer import AccumulatingOptimizer
-from support.reference import densifications, max_abs_diff, micro_step_ops, mse, table_data, table_model, weights
+from support.graph_deps import micro_step_ops
+from support.reference import densifications, max_abs_diff, mse, table_data, table_model, weights
 
 VOCAB, DIM = 40, 4
 

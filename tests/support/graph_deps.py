@@ -1,8 +1,8 @@
 """What a traced train step's window ``cond`` waits for, read from its
 graph (``tf.function``, XLA off): the ops its predicate and control inputs
 wait for, and, in its update branch (a ``FunctionDef`` of the graph's
-library), what each window gradient waits for. Used by
-``tests/contract/test_overlap.py`` and ``tests/keras3/test_tracing.py``."""
+library), what each window gradient waits for; and the ops one micro-step
+of each kind runs (:func:`micro_step_ops`)."""
 
 from __future__ import annotations
 
@@ -88,3 +88,16 @@ class Traced:
         return waits
 
 
+def micro_step_ops(graph, branch: str = "else_branch") -> list:
+    """The ops one micro-step of a traced step runs: those at the top level
+    of its ``graph``, plus, for each top-level ``cond`` (the window's), those
+    of its ``branch``: ``"else_branch"``, an accumulate-only micro-step;
+    ``"then_branch"``, an update (read from the graph's function library)."""
+    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
+
+    ops = list(graph.get_operations())
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    for op in list(ops):
+        if op.type in ("If", "StatelessIf"):
+            ops += function_def_to_graph(library[op.get_attr(branch).name]).get_operations()
+    return ops

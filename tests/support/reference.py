@@ -116,21 +116,6 @@ def table_data(n: int, seed: int = 4):
     return ids, rng.normal(size=(n, 2)).astype("float32")
 
 
-def micro_step_ops(graph, branch: str = "else_branch") -> list:
-    """The ops one micro-step of a traced step runs: those at the top level
-    of its ``graph``, plus, for each top-level ``cond`` (the window's), those
-    of its ``branch``: ``"else_branch"``, an accumulate-only micro-step;
-    ``"then_branch"``, an update (read from the graph's function library)."""
-    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
-
-    ops = list(graph.get_operations())
-    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
-    for op in list(ops):
-        if op.type in ("If", "StatelessIf"):
-            ops += function_def_to_graph(library[op.get_attr(branch).name]).get_operations()
-    return ops
-
-
 def densifications(ops, vocab: int, dim: int) -> list:
     """The ops among ``ops`` that turn slices into a dense tensor (TF's
     IndexedSlices-to-dense conversion is an ``UnsortedSegmentSum``), or write a

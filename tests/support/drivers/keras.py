@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from support.drivers.base import MISSING_MB, MISSING_N, PATTERN, SKIP_COUNTERS, Case, Driver, Inner, Run
+from support.graph_deps import micro_step_ops
 
 
 class KerasDriver(Driver):
@@ -312,7 +313,7 @@ class KerasDriver(Driver):
 
     # ----------------------------------------------------------- graphs
     def sparse_step_ops(self, vocab: int, dim: int, n=None, branch: str = "else_branch") -> list:
-        """The ops one micro-step runs (``R.micro_step_ops``, ``branch`` of
+        """The ops one micro-step runs (:func:`support.graph_deps.micro_step_ops`, ``branch`` of
         the window's ``cond``) of a traced step (``tf.function``, 8 samples)
         of ``R.table_model(vocab, dim)`` with Adam(1e-3), wrapped with N =
         ``n`` (``None``: the plain optimizer)."""
@@ -323,7 +324,7 @@ class KerasDriver(Driver):
         opt = inner if n is None else AccumulatingOptimizer(inner, gradient_accumulation_steps=n)
         x, y = self.R.table_data(8)
         step = self.R.make_train_step(model, opt, mode="graph")
-        return self.R.micro_step_ops(step.get_concrete_function(tf.constant(x), tf.constant(y)).graph, branch)
+        return micro_step_ops(step.get_concrete_function(tf.constant(x), tf.constant(y)).graph, branch)
 
     # ------------------------------------------------------- trainers
     def make_inner(self, spec: Inner):
