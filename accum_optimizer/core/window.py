@@ -297,14 +297,16 @@ def close_window(
     def update_or_drop() -> Any:
         counted = None if grads is None else replicas.each(add_count, b, state, weight)
         if not weighted:
-            return update(LOCAL_COUNT, counted)
+            return update(LOCAL_COUNT, counted, power_of_two(rules.length))
         with b.after([counted]):
             total = b.read(state.window_weight)
         divisor = b.divide(total, b.cast(replicas.count, b.dtype(total))) if replicas.count != 1 else total
         return b.cond(b.greater(total, 0), lambda: update(divisor, counted), drop)
 
-    def update(divisor: Any, counted: Any) -> Any:
-        applied = replicas.each(apply_window, b, state, sparse, mask, divisor, rules.reduction, grads, weight, counted)
+    def update(divisor: Any, counted: Any, exact_inverse: bool = False) -> Any:
+        applied = replicas.each(
+            apply_window, b, state, sparse, mask, divisor, rules.reduction, grads, weight, counted, exact_inverse
+        )
         with b.after(applied):
             return restart_window(b, state)
 
@@ -329,6 +331,7 @@ def apply_window(
     grads: Sequence[Any] | None = None,
     weight: Any = None,
     counted: Any = None,
+    exact_inverse: bool = False,
 ) -> list:
     """In each replica: the closing micro-step's ``grads`` added (if
     given), the inner update with the window's gradients (a ``"max"``
@@ -339,6 +342,13 @@ def apply_window(
     divisor after ``counted`` (this replica's ``window_weight += c``, which
     waits for no gradient): each variable's inner update waits for its own
     gradient, as Keras' built-in's does, not for the whole backward pass.
+
+    ``exact_inverse``: the divisor is known to be a power of two (an
+    unweighted window of a power-of-two N: ``Σcᵢ = N``), whose reciprocal is
+    exact: the window is multiplied by it, bitwise the division, as
+    TensorFlow's graph optimizer and XLA turn Keras' built-in's division by
+    the constant N into a multiplication (a division per element costs more,
+    most with XLA: ``docs/performance.md``).
     """
     n = len(state.acc_grads)
     grads = [None] * n if grads is None else list(grads)
@@ -357,6 +367,13 @@ def apply_window(
     if divisor is LOCAL_COUNT:
         with b.after([counted]):
             divisor = b.read(state.window_weight)  # this replica's
+    inverses: dict = {}
+
+    def inverse(dtype: Any) -> Any:  # 1 / divisor, once per accumulator dtype
+        if dtype not in inverses:
+            inverses[dtype] = b.divide(b.constant(1.0, dtype), b.cast(divisor, dtype))
+        return inverses[dtype]
+
     rows, window = [], []
     for i, acc in enumerate(state.acc_grads):
         with b.after(written[i]):
@@ -365,7 +382,8 @@ def apply_window(
             added = contribution(b, acc, grads[i], weight) if direct[i] else None
             value = (
                 read_window(b, acc, "max") if state.combined_by_max(i)
-                else window_gradient(b, acc, divisor, reduction, handed, added)
+                else window_gradient(b, acc, divisor, reduction, handed, added,
+                                     inverse(b.dtype(acc)) if exact_inverse and reduction == "mean" else None)
             )
         rows.append(r)
         window.append(b.cast_gradient(value, dtypes[i]))
@@ -377,7 +395,7 @@ def apply_window(
 
 
 def window_gradient(
-    b: Backend, acc: Any, divisor: Any, reduction: str, rows: Any = None, added: Any = None
+    b: Backend, acc: Any, divisor: Any, reduction: str, rows: Any = None, added: Any = None, inverse: Any = None
 ) -> Any:
     """The gradient one update applies, from one accumulator.
 
@@ -387,14 +405,22 @@ def window_gradient(
     gradient contribute zero, as the missing samples' terms do in the large
     batch). ``"sum"``: ``acc``. With ``rows``: sparse, over those rows, each
     once (what a lazy sparse optimizer must see to match the large batch
-    trained on its own sparse gradient).
+    trained on its own sparse gradient). With ``inverse`` (``1 / divisor``,
+    exact: a power of two): ``acc · inverse``, the same value.
     """
     value = read_window(b, acc, "sum") if rows is None else b.gather_rows(acc, rows)
     if added is not None:  # the closing micro-step's dense contribution, not written
         value = b.add(value, added)
     if reduction == "mean":
-        value = b.divide(value, b.cast(divisor, b.dtype(value)))
+        value = b.divide(value, b.cast(divisor, b.dtype(value))) if inverse is None else b.scale(value, inverse)
     return value if rows is None else b.sparse(value, rows, acc)
+
+
+def power_of_two(length: Any) -> bool:
+    """Is the window length a fixed power of two (1, 2, 4, ...)? Then the
+    count of an unweighted window at its close, ``Σcᵢ = N``, has an exact
+    reciprocal (:func:`apply_window`)."""
+    return isinstance(length, numbers.Integral) and length > 0 and int(length) & (int(length) - 1) == 0
 
 
 def read_window(b: Backend, acc: Any, combine: str) -> Any:

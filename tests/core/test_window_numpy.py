@@ -62,6 +62,23 @@ def test_sum_window_hands_inner_the_sum_of_its_gradients():
     np.testing.assert_array_equal(w.inner.calls[0][0][0], _f32(9, 6))
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 7, 8])
+def test_mean_window_is_the_correctly_rounded_quotient_for_every_n(n):
+    """The window gradient is fl(Σg / N), one correctly rounded division,
+    whether N is a power of two (then multiplied by the exact reciprocal,
+    the same value) or not (divided). The sum is exact (integers); for
+    N = 3, 6 and 7 the product with fl(1/N) differs from the quotient in
+    float32 for some of them, so a multiplication there would fail."""
+    total = _f32(5, 7, 10, 14, 17, 20, 23, 25)
+    w = make_window([(8,)], Rules(n))
+    _run(w, [[total]] + [[np.zeros(8)]] * (n - 1))
+    [(grads, _)] = w.inner.calls
+    expected = total / np.float32(n)
+    np.testing.assert_array_equal(grads[0], expected)
+    if n & (n - 1):  # (the check is not vacuous)
+        assert np.any(total * (np.float32(1) / np.float32(n)) != expected)
+
+
 def test_weighted_window_hands_inner_the_count_weighted_mean():
     w = make_window([(2,)], Rules(3))
     _run(w, [[G1], [G2], [G3]], weights=[2, 0, 1])

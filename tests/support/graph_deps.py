@@ -53,8 +53,9 @@ class Traced:
     def window_gradients_wait_for(self, accumulators) -> list:
         """For each accumulator, the gradients (indices among the cond's
         inputs) that its window gradient in the update branch waits for: the
-        ``RealDiv`` s downstream of its reads (``acc / Σcᵢ``), read from the
-        branch's ``FunctionDef``."""
+        first ``RealDiv`` or ``Mul`` downstream of its reads (``acc / Σcᵢ``,
+        or ``acc · (1/N)`` for a power-of-two N), read from the branch's
+        ``FunctionDef``."""
         library = {f.signature.name: f for f in self.graph.as_graph_def().library.function}
         branch = library[self.cond.get_attr("then_branch").name]
         args = [a.name for a in branch.signature.input_arg]
@@ -81,7 +82,7 @@ class Traced:
             handle = internal[id(acc.handle)]
             arg = args[[t is handle for t in self.cond.inputs[1:]].index(True)]
             reads = [n for n, node in nodes.items() if node.op == "ReadVariableOp" and parents[n] == [arg]]
-            divisions = [d for d in closure(reads, children) if nodes[d].op == "RealDiv"]
+            divisions = [d for d in closure(reads, children) if nodes[d].op in ("RealDiv", "Mul")]
             assert divisions, acc.path
             first = min(divisions, key=lambda d: len(closure([d], parents)))
             waits.append(sorted(gradients[a] for a in closure([first], parents) if a in gradients))
