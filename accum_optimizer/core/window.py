@@ -153,10 +153,10 @@ def guard(grads: Sequence[Any]) -> list:
     """The gradient every write of a micro-step waits for (as a one-item
     list; empty if all are ``None``): the last in build order, which for a
     model's variables in layer order is the first the backward pass
-    computes, so that each variable's writes (and, on an update, its inner
-    update) can start as soon as its own gradient exists, as Keras'
-    built-in's do. Any gradient will do as a guard: each depends on the
-    step's input, so a step whose input ends runs no write."""
+    computes, so that each variable's writes (and, on an update, its window
+    gradient) can start as soon as its own gradient exists, as Keras'
+    built-in's do. A gradient depends on the step's input, so a step whose
+    input ends runs no write (the counters wait for every gradient besides)."""
     present = [g for g in grads if g is not None]
     return present[-1:]
 

@@ -11,16 +11,40 @@ import tensorflow as tf
 WRITES = ("Assign", "Scatter")  # op types that write a variable contain these
 
 
-def ancestors(op) -> set:
-    """Every op ``op`` waits for in its graph: data and control inputs, transitively."""
-    seen, todo = set(), [op]
+def closure(start, edges) -> set:
+    """Every op reached from ``start`` by ``edges(op)``, transitively."""
+    seen, todo = set(), list(start)
     while todo:
-        current = todo.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
+        for nxt in edges(todo.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
     return seen
+
+
+def parents(op) -> list:
+    """What ``op`` waits for: its data and control inputs."""
+    return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def consumers(op) -> list:
+    """The ops that read ``op``'s outputs."""
+    return [c for t in op.outputs for c in t.consumers()]
+
+
+def ancestors(op) -> set:
+    """Every op ``op`` waits for in its graph, transitively."""
+    return closure([op], parents)
+
+
+def branch_graph(graph, cond, branch: str):
+    """The ``branch`` (``"then_branch"``, ``"else_branch"``) of the top-level
+    ``cond`` of ``graph`` as a graph, read from its function library; its
+    ``inputs`` are the cond's inputs after the predicate, in order."""
+    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
+
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    return function_def_to_graph(library[cond.get_attr(branch).name])
 
 
 class Traced:
@@ -54,38 +78,19 @@ class Traced:
         """For each accumulator, the gradients (indices among the cond's
         inputs) that its window gradient in the update branch waits for: the
         first ``RealDiv`` or ``Mul`` downstream of its reads (``acc / Σcᵢ``,
-        or ``acc · (1/N)`` for a power-of-two N), read from the branch's
-        ``FunctionDef``."""
-        library = {f.signature.name: f for f in self.graph.as_graph_def().library.function}
-        branch = library[self.cond.get_attr("then_branch").name]
-        args = [a.name for a in branch.signature.input_arg]
-        nodes = {n.name: n for n in branch.node_def}
-        parents = {name: [i.lstrip("^").split(":")[0] for i in n.input] for name, n in nodes.items()}
-        children: dict = {}
-        for name, ps in parents.items():
-            for p in ps:
-                children.setdefault(p, []).append(name)
-
-        def closure(start: list, edges: dict) -> set:
-            seen, todo = set(), list(start)
-            while todo:
-                for p in edges.get(todo.pop(), []):
-                    if p not in seen:
-                        seen.add(p)
-                        todo.append(p)
-            return seen
-
+        or ``acc · (1/N)`` for a power-of-two N)."""
+        args = branch_graph(self.graph, self.cond, "then_branch").inputs
+        gradients = {args[i].op: i for i in self.gradient_inputs}
         internal = {id(ext): internal for ext, internal in self.graph.captures}
-        gradients = {args[i]: i for i in self.gradient_inputs}
         waits = []
         for acc in accumulators:
             handle = internal[id(acc.handle)]
             arg = args[[t is handle for t in self.cond.inputs[1:]].index(True)]
-            reads = [n for n, node in nodes.items() if node.op == "ReadVariableOp" and parents[n] == [arg]]
-            divisions = [d for d in closure(reads, children) if nodes[d].op in ("RealDiv", "Mul")]
+            reads = [op for op in arg.consumers() if op.type == "ReadVariableOp"]
+            divisions = [op for op in closure(reads, consumers) if op.type in ("RealDiv", "Mul")]
             assert divisions, acc.path
-            first = min(divisions, key=lambda d: len(closure([d], parents)))
-            waits.append(sorted(gradients[a] for a in closure([first], parents) if a in gradients))
+            first = min(divisions, key=lambda op: len(ancestors(op)))
+            waits.append(sorted(gradients[a] for a in ancestors(first) if a in gradients))
         return waits
 
 
@@ -94,11 +99,8 @@ def micro_step_ops(graph, branch: str = "else_branch") -> list:
     of its ``graph``, plus, for each top-level ``cond`` (the window's), those
     of its ``branch``: ``"else_branch"``, an accumulate-only micro-step;
     ``"then_branch"``, an update (read from the graph's function library)."""
-    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
-
     ops = list(graph.get_operations())
-    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     for op in list(ops):
         if op.type in ("If", "StatelessIf"):
-            ops += function_def_to_graph(library[op.get_attr(branch).name]).get_operations()
+            ops += branch_graph(graph, op, branch).get_operations()
     return ops
