@@ -27,6 +27,13 @@ builds both optimizers' train steps and reports:
     python -m benchmarks.step_profile            # quick profile (what `make bench` runs)
     python -m benchmarks.step_profile --tiny     # seconds: the smoke test
     python -m benchmarks.step_profile --full     # more rounds and traces
+    python -m benchmarks.step_profile --self-check   # the harness's own bias
+
+``--self-check`` runs Keras' built-in in both slots (the ``accum`` columns
+are a second instance of it, built and traced the same way): every ratio
+should be 1 within its interval; one that is not is the harness's bias (the
+order of building, of timing within a round), which the real comparison
+would carry too.
 
 Writes ``<out>/step_profile.json``, ``.md`` and ``.png``;
 ``docs/performance.md`` explains the table.
@@ -204,7 +211,7 @@ class Step:
 def run_mode(p: dict, jit: bool, prog) -> dict:
     steps = {}
     for method in METHODS:
-        steps[method] = Step(method, p, jit)
+        steps[method] = Step("builtin" if p.get("self_check") else method, p, jit)
         b = steps[method].build
         prog.step(f"jit={'on' if jit else 'off'} {method}: built and traced",
                   f"trace {b['trace_s']:.1f} s, first call {b['first_call_s']:.1f} s, "
@@ -249,6 +256,9 @@ def table(data: dict) -> str:
     s = data["settings"]
     lines = [f"{s['model']} ({data['param_count']:,} params), micro-batch {s['batch']}, N = {s['n']}, Adam, "
              f"custom loop (`tf.function`); {s['rounds']} interleaved rounds of one window of each optimizer.", ""]
+    if s.get("self_check"):
+        lines += ["**Self-check** (`--self-check`): both slots run Keras' built-in; the `accum` columns are a "
+                  "second instance of it. Every ratio should be 1 within its interval.", ""]
     headers = ["jit", "micro-step", "accum ms", "built-in ms", "accum/built-in [95% CI]"]
     rows = []
     for g in data["groups"]:
@@ -306,9 +316,19 @@ def table(data: dict) -> str:
                       "traced graph, before TensorFlow's graph optimizer; ms: TensorFlow's profiler, mean over "
                       f"{s['traced']} traced micro-steps, summed over the executor's threads)", "",
                       format_table(headers, rows, True), ""]
-    lines.append(f"Produced by `.venv/bin/python -m benchmarks.step_profile{'' if data['profile'] == 'quick' else ' --' + data['profile']}`; "
-                 "explained in docs/performance.md.")
+    lines.append(f"Produced by `{command(data)}`; explained in docs/performance.md.")
     return "\n".join(lines)
+
+
+def command(data: dict) -> str:
+    """The command line that gives ``data`` again: its profile, and the
+    options that changed the profile's settings."""
+    s, default = data["settings"], PROFILES[data["profile"]]
+    words = [".venv/bin/python -m benchmarks.step_profile"]
+    words += [] if data["profile"] == "quick" else [f"--{data['profile']}"]
+    words += [f"--{key} {s[key]}" for key in ("rounds", "traced") if s[key] != default[key]]
+    words += ["--self-check"] if s.get("self_check") else []
+    return " ".join(words)
 
 
 def plot(data: dict, path: Path) -> Path:
@@ -336,6 +356,8 @@ def main(argv=None) -> int:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--rounds", type=int, help="interleaved rounds (windows of each optimizer)")
     parser.add_argument("--traced", type=int, help="profiled micro-steps of each kind")
+    parser.add_argument("--self-check", action="store_true",
+                        help="Keras' built-in in both slots: the harness's own bias (every ratio should be 1)")
     args = parser.parse_args(argv)
     select_backend(parser, "tensorflow")
     p = dict(PROFILES[args.profile])
@@ -345,6 +367,7 @@ def main(argv=None) -> int:
             if value < 1:
                 parser.error(f"--{key}={value}: expected an int >= 1")
             p[key] = value
+    p["self_check"] = args.self_check
     t_start = time.perf_counter()
     env = static_env()
     configure_gpu()

@@ -33,10 +33,16 @@ window's last micro-step adds its gradients in step 3 (a dense gradient as
 a value, ``acc + c·g``, never written), the others in step 1.
 
 The decision waits for one gradient (:func:`guard`, the last in build
-order: the first the backward pass computes), and so does every write, and
-the counters, which have no data dependency on the gradients, wait for all
-of them: a traced step whose input ends (``OutOfRange`` from a dataset of
-unknown length) counts nothing (else: a phantom micro-step per epoch).
+order: the first the backward pass computes), and so does every write: a
+traced step whose input ends (``OutOfRange`` from a dataset of unknown
+length) writes nothing (else: a phantom micro-step per epoch). The
+counters, which have no data dependency on the gradients, are also made to
+wait for all of them; that holds in a TF1 graph, not in a ``tf.function``,
+where TensorFlow keeps no control dependency of a ``cond`` branch on a
+tensor outside it: there they wait for the guard, through the decision.
+(Known limitation: where the last variable's gradient does not depend on
+the input, a variable of a regularisation term alone built last, the
+writes wait for no input: ``tests/keras3/test_tracing.py``.)
 Beyond that, each variable's writes wait for its own gradient only, and on
 the last micro-step so does its window gradient (the divisor is
 ``window_weight`` after ``+= c``, which waits for no gradient): once
@@ -121,9 +127,9 @@ def micro_step(
 
     def count(*counters: Callable[[], list]) -> list:
         # The counters wait for every gradient: scalars nothing else waits
-        # for, so a step whose input ends counts nothing even where the
-        # guard does not depend on the input (a gradient of a
-        # regularisation term alone).
+        # for (in a TF1 graph; a tf.function's cond branch drops a control
+        # dependency on a tensor outside it, and there the decision's guard
+        # is what they wait for: the module's docstring).
         with b.after(list(grads) + [weight]):
             return [op for counter in counters for op in counter()]
 
@@ -155,8 +161,9 @@ def guard(grads: Sequence[Any]) -> list:
     model's variables in layer order is the first the backward pass
     computes, so that each variable's writes (and, on an update, its window
     gradient) can start as soon as its own gradient exists, as Keras'
-    built-in's do. A gradient depends on the step's input, so a step whose
-    input ends runs no write (the counters wait for every gradient besides)."""
+    built-in's do. A gradient depends on the step's input (the last one
+    does but for a variable of a regularisation term alone built last: the
+    module's docstring), so a step whose input ends runs no write."""
     present = [g for g in grads if g is not None]
     return present[-1:]
 

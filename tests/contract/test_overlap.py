@@ -51,6 +51,14 @@ def test_window_waits_for_one_gradient_and_no_write(family, case):
 
 
 @pytest.mark.parametrize("family, case", params(FAMILIES, _cases))
+def test_every_write_in_the_branches_waits_for_a_gradient(family, case):
+    """So a step whose input ends (``OutOfRange``) writes nothing: no
+    phantom micro-step (``tests/keras3/test_hardening.py``)."""
+    traced, _ = _traced(family)
+    assert traced.unguarded_writes() == []
+
+
+@pytest.mark.parametrize("family, case", params(FAMILIES, _cases))
 def test_each_window_gradient_waits_for_its_own_gradient_only(family, case):
     traced, optimizer = _traced(family)
     waits = traced.window_gradients_wait_for(optimizer.acc_grads)

@@ -194,6 +194,37 @@ def test_step_profile_output(tiny_run):
     assert "accum/built-in [95% CI]" in stdout
 
 
+def test_step_profile_self_check_runs_the_builtin_in_both_slots(tmp_path):
+    """``--self-check``: Keras' built-in in the ``accum`` slot too. Both
+    slots then trace the same graph (op for op, by kind of micro-step),
+    which a run of the wrapper against the built-in never does; the report
+    says so and names the command that gives it."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_profile", "--tiny", "--self-check", "--rounds", "2", "--out",
+         str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = _load(tmp_path / "step_profile.json")
+    assert data["settings"]["self_check"] is True and data["settings"]["rounds"] == 2
+    for g in data["groups"]:
+        assert g["graph_ops"]["accum"] == g["graph_ops"]["builtin"]
+        assert g["build"]["accum"]["graph"]["all_ops"] == g["build"]["builtin"]["graph"]["all_ops"]
+    md = (tmp_path / "step_profile.md").read_text()
+    assert "**Self-check**" in md
+    assert "`.venv/bin/python -m benchmarks.step_profile --tiny --rounds 2 --self-check`" in md
+
+
+def test_step_profile_output_names_no_self_check(tiny_run):
+    """The plain run's graphs differ between the slots (the wrapper's own
+    ``cond`` and counters), and its report claims no self-check."""
+    out, _ = tiny_run
+    data = _load(out / "step_profile.json")
+    assert data["settings"]["self_check"] is False
+    assert all(g["graph_ops"]["accum"] != g["graph_ops"]["builtin"] for g in data["groups"])
+    assert "Self-check" not in (out / "step_profile.md").read_text()
+
+
 def test_bootstrap_interval_matches_exact_bootstrap():
     """The percentile interval of the median of 7 distinct values, against the
     exact bootstrap distribution (all 7**7 resamples equally likely). With

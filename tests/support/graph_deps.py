@@ -37,13 +37,15 @@ def ancestors(op) -> set:
     return closure([op], parents)
 
 
-def branch_graph(graph, cond, branch: str):
-    """The ``branch`` (``"then_branch"``, ``"else_branch"``) of the top-level
-    ``cond`` of ``graph`` as a graph, read from its function library; its
+def branch_graph(graph, cond, branch: str, library: dict | None = None):
+    """The ``branch`` (``"then_branch"``, ``"else_branch"``) of a ``cond``
+    as a graph, read from the function library of the top-level ``graph``
+    (or ``library``, ``{name: FunctionDef}``: a nested ``cond``'s); its
     ``inputs`` are the cond's inputs after the predicate, in order."""
     from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
 
-    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    if library is None:
+        library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     return function_def_to_graph(library[cond.get_attr(branch).name])
 
 
@@ -73,6 +75,35 @@ class Traced:
         writes = sorted({a.type for a in found if any(w in a.type for w in WRITES)})
         gradients = [i for i in self.gradient_inputs if self.cond.inputs[1 + i].op in found]
         return writes, gradients
+
+    def unguarded_writes(self) -> list:
+        """The ops that write a variable in the branches of the step's
+        top-level ``cond``s (and of the ``cond``s nested in them) and wait
+        for no value computed from the step's inputs: the writes a step whose
+        input ends (``OutOfRange``) could still run. Read as TensorFlow runs
+        a lowered ``cond`` (XLA off): an op of a branch waits for the
+        predicate and the ``cond``'s control inputs, and for the inputs it
+        uses (a ``cond`` waiting for such a value guards all it holds)."""
+        library = {f.signature.name: f for f in self.graph.as_graph_def().library.function}
+        found: list = []
+
+        def waits(ops, sources) -> bool:
+            return any(op in sources or ancestors(op) & sources for op in ops)
+
+        def scan(graph, sources, where):
+            for op in graph.get_operations():
+                if op.type in ("If", "StatelessIf"):
+                    if waits([op.inputs[0].op, *op.control_inputs], sources):
+                        continue
+                    taken = [i for i, t in enumerate(op.inputs[1:]) if waits([t.op], sources)]
+                    for branch in ("then_branch", "else_branch"):
+                        inner = branch_graph(graph, op, branch, library)
+                        scan(inner, {inner.inputs[i].op for i in taken}, f"{where}{op.name}.{branch}/")
+                elif where and any(w in op.type for w in WRITES) and not waits([op], sources):
+                    found.append(f"{where}{op.name}")
+
+        scan(self.graph, self.from_inputs, "")
+        return found
 
     def window_gradients_wait_for(self, accumulators) -> list:
         """For each accumulator, the gradients (indices among the cond's
