@@ -32,23 +32,23 @@ write of the micro-step is in the branches of that decision's ``cond``: the
 window's last micro-step adds its gradients in step 3 (a dense gradient as
 a value, ``acc + c·g``, never written), the others in step 1.
 
-The decision waits for one gradient (:func:`guard`, the last in build
-order: the first the backward pass computes), and so does every write: a
-traced step whose input ends (``OutOfRange`` from a dataset of unknown
-length) writes nothing (else: a phantom micro-step per epoch). The
-counters, which have no data dependency on the gradients, are also made to
-wait for all of them; that holds in a TF1 graph, not in a ``tf.function``,
-where TensorFlow keeps no control dependency of a ``cond`` branch on a
-tensor outside it: there they wait for the guard, through the decision.
-(Known limitation: where the last variable's gradient does not depend on
-the input, a variable of a regularisation term alone built last, the
-writes wait for no input: ``tests/keras3/test_tracing.py``.)
-Beyond that, each variable's writes wait for its own gradient only, and on
-the last micro-step so does its window gradient (the divisor is
-``window_weight`` after ``+= c``, which waits for no gradient): once
-TensorFlow lowers the ``cond`` (XLA off), the update of each variable's
-window starts while the backward pass computes the others', as the
-built-in's does (``docs/performance.md``).
+The decision waits for no gradient, as the built-in's does: once
+TensorFlow lowers the ``cond`` (XLA off), what its taken branch runs that
+reads no gradient (the inner optimizer's scalars, reads, constants) is not
+held back until the backward pass begins. Every write waits for a gradient
+instead, so that a traced step whose input ends (``OutOfRange`` from a
+dataset of unknown length) writes nothing (else: a phantom micro-step per
+epoch): each accumulator for its own; the counters, ``window_weight += c``,
+the reset and the writes of the inner update that read no gradient (its
+step counter, weight decay: through ``Backend.fence`` where the backend
+has one) for one, :func:`guard` (the last in build order: the first the
+backward pass computes). So each variable's window gradient waits for its
+own gradient and the guard (the divisor is ``window_weight`` after
+``+= c``), and its update starts while the backward pass computes the
+others', as the built-in's does (``docs/performance.md``). (Known
+limitation: where the last variable's gradient does not depend on the
+input, a variable of a regularisation term alone built last, those writes
+wait for no input: ``tests/keras3/test_tracing.py``.)
 
 Non-finite gradients (``Rules.nonfinite``): ``"propagate"`` is the above.
 ``"skip_micro_step"``: a micro-step whose gradients are not all finite on
@@ -126,11 +126,10 @@ def micro_step(
             return skipped_micro_step(b, state, rules, replicas, sparse, weighted)
 
     def count(*counters: Callable[[], list]) -> list:
-        # The counters wait for every gradient: scalars nothing else waits
-        # for (in a TF1 graph; a tf.function's cond branch drops a control
-        # dependency on a tensor outside it, and there the decision's guard
-        # is what they wait for: the module's docstring).
-        with b.after(list(grads) + [weight]):
+        # The counters wait for the guard, as every write does (waiting for
+        # every gradient held each gradient's buffer to the end of the
+        # step: 3% of a micro-step, docs/performance.md).
+        with b.after(guard(grads) + [weight]):
             return [op for counter in counters for op in counter()]
 
     def counted() -> Any:  # a finite micro-step: every one under "propagate"
@@ -144,9 +143,9 @@ def micro_step(
 
     if rules.nonfinite == "propagate":
         # The decision, from the position before this micro-step counts,
-        # waits for one gradient (the guard of every write: all are in the
-        # branches) and for the weight's checks.
-        with b.after(guard(grads) + [weight]):
+        # waits for the weight's checks only (every write, all in the
+        # branches, waits for a gradient itself).
+        with b.after([weight]):
             closes = window_closes(b, state, rules)
         return counted()
     with b.after(list(grads) + [weight]):
@@ -156,14 +155,15 @@ def micro_step(
 
 
 def guard(grads: Sequence[Any]) -> list:
-    """The gradient every write of a micro-step waits for (as a one-item
-    list; empty if all are ``None``): the last in build order, which for a
+    """The gradient that the writes of a micro-step which read no gradient
+    wait for (as a one-item list; empty if all are ``None``): the counters,
+    ``window_weight += c``, the reset, the inner update's step counter, a
+    restored window's position. The last in build order, which for a
     model's variables in layer order is the first the backward pass
-    computes, so that each variable's writes (and, on an update, its window
-    gradient) can start as soon as its own gradient exists, as Keras'
-    built-in's do. A gradient depends on the step's input (the last one
-    does but for a variable of a regularisation term alone built last: the
-    module's docstring), so a step whose input ends runs no write."""
+    computes, so that waiting for it holds nothing back. A gradient depends
+    on the step's input (the last one does but for a variable of a
+    regularisation term alone built last: the module's docstring), so a step
+    whose input ends runs no write."""
     present = [g for g in grads if g is not None]
     return present[-1:]
 
@@ -171,12 +171,13 @@ def guard(grads: Sequence[Any]) -> list:
 def accumulate(b: Backend, state: WindowState, grads: Sequence[Any], weight: Any = None) -> list:
     """Step 1 (in each replica): ``acc_grads[i] += weight * grads[i]``,
     ``window_weight += weight`` (1 without one), rows marked."""
-    return [add_count(b, state, weight), *[op for ops in add_gradients(b, state, grads, weight) for op in ops]]
+    return [add_count(b, state, weight, grads), *[op for ops in add_gradients(b, state, grads, weight) for op in ops]]
 
 
-def add_count(b: Backend, state: WindowState, weight: Any = None) -> Any:
-    """``window_weight += weight`` (1 without one), after the weight's checks."""
-    with b.after([weight]):
+def add_count(b: Backend, state: WindowState, weight: Any = None, grads: Sequence[Any] = ()) -> Any:
+    """``window_weight += weight`` (1 without one), after the weight's checks
+    and the :func:`guard` of the micro-step's ``grads``."""
+    with b.after(guard(grads) + [weight]):
         dtype = b.dtype(state.window_weight)
         count = b.constant(1.0, dtype) if weight is None else b.cast(weight, dtype)
         return b.assign_add(state.window_weight, count)
@@ -302,7 +303,7 @@ def close_window(
         return discard_window(b, state, sparse, replicas, count_skipped=False)
 
     def update_or_drop() -> Any:
-        counted = None if grads is None else replicas.each(add_count, b, state, weight)
+        counted = None if grads is None else replicas.each(add_count, b, state, weight, grads)
         if not weighted:
             return update(LOCAL_COUNT, counted, power_of_two(rules.length))
         with b.after([counted]):
@@ -314,8 +315,10 @@ def close_window(
         applied = replicas.each(
             apply_window, b, state, sparse, mask, divisor, rules.reduction, grads, weight, counted, exact_inverse
         )
-        with b.after(applied):
+        with b.after([applied, *guarded]):
             return restart_window(b, state)
+
+    guarded = guard(grads) if grads is not None else []
 
     if rules.nonfinite != "skip_window":
         ended = update_or_drop()
@@ -324,7 +327,7 @@ def close_window(
         ended = b.cond(poisoned, lambda: discard_window(b, state, sparse, replicas), update_or_drop)
     if not state.followers:
         return ended
-    with b.after(ended):  # a discarded window ends too: the large batch's forward pass still ran
+    with b.after([ended, *guarded]):  # a discarded window ends too: the large batch's forward pass still ran
         return [ended, *(follow() for follow in state.followers)]
 
 
@@ -347,8 +350,13 @@ def apply_window(
 
     Each variable's window is read after its own writes only, and the
     divisor after ``counted`` (this replica's ``window_weight += c``, which
-    waits for no gradient): each variable's inner update waits for its own
-    gradient, as Keras' built-in's does, not for the whole backward pass.
+    waits for the :func:`guard` only): each variable's window gradient
+    waits for its own gradient and the guard, not for the whole backward
+    pass. The writes of the inner update that read no gradient and the
+    reset wait for the guard: through ``b.fence`` (a read of each variable
+    the inner update may write, after the guard: automatic control
+    dependencies order a later write after it, not a later read), else by
+    the whole inner update waiting for it.
 
     ``exact_inverse``: the divisor is known to be a power of two (an
     unweighted window of a power-of-two N: ``Σcᵢ = N``), whose reciprocal is
@@ -396,8 +404,13 @@ def apply_window(
         window.append(b.cast_gradient(value, dtypes[i]))
     received = b.read(state.grad_received) if not all(mask) else None
     gates = {i: b.greater(received[i], 0) for i, m in enumerate(mask) if not m}
-    applied = b.apply_inner(window, gates)
-    with b.after([applied, *written]):
+    fence = getattr(b, "fence", None)
+    if fence is not None and fence(guard(grads)):
+        applied = b.apply_inner(window, gates)
+    else:
+        with b.after(guard(grads)):
+            applied = b.apply_inner(window, gates)
+    with b.after([applied, *written, *guard(grads)]):
         return reset(b, state, rows)
 
 
@@ -561,7 +574,7 @@ def pass_through(
 
 
 def resume_position(
-    b: Backend, state: WindowState, rules: Rules, *, replicas: Replicas = ONE_REPLICA
+    b: Backend, state: WindowState, rules: Rules, *, replicas: Replicas = ONE_REPLICA, after: Sequence[Any] = ()
 ) -> Any:
     """If the window's position is unknown: ``mini_step = micro_steps % N``
     (0 under a schedule: no such checkpoint has one) and, in each replica,
@@ -577,7 +590,12 @@ def resume_position(
     algorithm writes has that (every micro-step counts and marks together,
     closing a window zeroes both), but a checkpoint saved before
     ``mini_step`` existed, restored mid-window into a fresh state whose
-    ``mini_step`` starts at 0 (TF1's ``Saver`` after the initializer), has."""
+    ``mini_step`` starts at 0 (TF1's ``Saver`` after the initializer), has.
+
+    ``after``: what its writes wait for (a micro-step's :func:`guard`); its
+    predicate waits for nothing, so where the position is known (every
+    micro-step but the first after such a restore) the micro-step's own
+    decision is not held back."""
     mini_step = state.mini_step
 
     def derive() -> Any:
@@ -586,8 +604,9 @@ def resume_position(
             position = b.cast(b.floormod(b.read(state.micro_steps), int(rules.length)), dtype)
         else:
             position = b.constant(0, dtype)
-        counted = replicas.each(_set_count, b, state.window_weight, position)
-        return [b.assign(mini_step, position), counted]
+        counted = replicas.each(_set_count, b, state.window_weight, position, list(after))
+        with b.after(list(after)):
+            return [b.assign(mini_step, position), counted]
 
     # Unknown iff mini_step < 1 where a variable is marked, < 0 otherwise.
     threshold = b.constant(0, b.dtype(mini_step))
@@ -596,8 +615,9 @@ def resume_position(
     return b.cond(b.less(b.read(mini_step), threshold), derive, _noop)
 
 
-def _set_count(b: Backend, window_weight: Any, position: Any) -> Any:
-    return b.assign(window_weight, b.cast(position, b.dtype(window_weight)))
+def _set_count(b: Backend, window_weight: Any, position: Any, after: Sequence[Any] = ()) -> Any:
+    with b.after(list(after)):  # (here: a strategy's replicas do not inherit the caller's dependencies)
+        return b.assign(window_weight, b.cast(position, b.dtype(window_weight)))
 
 
 def check_state(state: WindowState, rules: Rules) -> None:

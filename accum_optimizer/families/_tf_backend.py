@@ -108,7 +108,7 @@ class TFBackend:
 
     def after(self, values: Any) -> Any:
         deps = control_inputs(values)
-        return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
+        return tf.control_dependencies(within_graph(deps)) if deps else contextlib.nullcontext()
 
     # -- values
     read = staticmethod(tf.convert_to_tensor)
@@ -246,7 +246,34 @@ class TF1Backend(TFBackend):
 
 
 class TF2Backend(TFBackend):
-    """The TF2 families' backend: scattered variables leave copy-on-read mode."""
+    """The TF2 families' backend: scattered variables leave copy-on-read mode.
+
+    Args:
+        fence_variables: ``fence_variables()``, every variable the inner
+            update may write (the inner optimizer's and the model's), or
+            ``None``: :meth:`fence` then declines.
+    """
+
+    def __init__(self, apply_inner: Callable[[list, dict], Any] | None = None, writer: Any = None,
+                 fence_variables: Callable[[], Sequence[Any]] | None = None) -> None:
+        super().__init__(apply_inner, writer)
+        self._fence_variables = fence_variables
+
+    def fence(self, after: Any) -> bool:
+        """Make every later write of the variables the inner update may
+        write wait for ``after``, and none of its reads or arithmetic: one
+        read of each after ``after``, which TensorFlow's automatic control
+        dependencies (a ``tf.function``) order each later write of that
+        variable after. ``False`` (nothing done) where there is nothing to
+        wait for or no such ordering (no ``fence_variables``; a
+        ``tf.compat.v1`` graph, :class:`TF2GraphBackend`)."""
+        deps = control_inputs(after)
+        if self._fence_variables is None or not deps or not tf.inside_function():
+            return False
+        with tf.control_dependencies(within_graph(deps)):
+            for variable in self._fence_variables():
+                tf_variable(variable).value()
+        return True
 
     def scattered(self, variable: Any) -> None:
         tf_compat.disable_copy_on_read(variable)
@@ -320,6 +347,38 @@ def control_inputs(values: Any) -> list:
         elif isinstance(getattr(v, "op", None), tf.Operation):
             found.append(v.op)
     return found
+
+
+def within_graph(deps: list) -> list:
+    """``deps`` as control inputs that hold in the graph being built.
+
+    In a function's graph (a ``cond`` branch of a ``tf.function``),
+    TensorFlow keeps no control dependency on a tensor of an enclosing
+    graph (``tf.control_dependencies`` records it as a control capture,
+    which ``tf.cond`` drops; checked with TensorFlow 2.15, 2.16 and 2.21):
+    the writes of a micro-step's branches would not wait for the gradient
+    they must wait for (``accum_optimizer.core.micro_step``: a step whose
+    input ends writes nothing). Those tensors are taken in as data instead,
+    by one ``IdentityN`` in the graph being built, whose op is the
+    dependency."""
+    graph = tf.compat.v1.get_default_graph()
+    if not graph.building_function:
+        return deps
+    inner, outer = [], []
+    for d in deps:
+        if isinstance(d, tf.Tensor) and _graph_of(d) is not graph:
+            if _graph_of(d) is not None:  # (an eager tensor: nothing to wait for)
+                outer.append(d)
+        else:
+            inner.append(d)
+    return inner + ([tf.identity_n(outer)[0].op] if outer else [])
+
+
+def _graph_of(tensor: Any) -> Any:
+    try:
+        return tensor.graph
+    except AttributeError:  # an eager tensor has none
+        return None
 
 
 # ------------------------------------------------------------------ checks

@@ -127,7 +127,13 @@ class TFRoute(_accumulating.AccumulatingBase):
     def _backend(self) -> TF2Backend:
         if in_v1_graph():
             return TF2GraphBackend(self._apply_inner)
-        return TF2Backend(self._apply_inner, self._writer())
+        return TF2Backend(self._apply_inner, self._writer(), self._fence_variables())
+
+    def _fence_variables(self) -> Any:
+        """``fence_variables`` of :class:`TF2Backend` (every variable the
+        inner update may write), or ``None``: the whole inner update then
+        waits for the micro-step's guard (``core.apply_window``)."""
+        return None
 
     def _checked_gradients(self, grads: Sequence[Any], variables: list) -> list:
         grads = as_gradients(grads, variables)

@@ -179,10 +179,9 @@ class Window:
         micro-step's op)."""
         resumed = None
         if resumes:
-            # (after the gradient that guards the micro-step's writes, not all
-            # of them: the update must not wait for the whole backward pass)
-            with b.after(core.guard(grads)):
-                resumed = core.resume_position(b, state, rules, replicas=replicas)
+            # (its writes after the gradient that guards the micro-step's, its
+            # decision after none: the micro-step's must not wait)
+            resumed = core.resume_position(b, state, rules, replicas=replicas, after=core.guard(grads))
         with b.after(resumed):
             out = core.micro_step(b, state, rules, grads, replicas=replicas, weight=weight, finite=finite)
         return [*getattr(b, "made", ()), resumed, out]

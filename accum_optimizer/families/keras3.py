@@ -509,6 +509,13 @@ class AccumulatingOptimizer(compat.KerasReads, _compat.ForwardsSettings, Keras3S
     def _writer(self) -> Any:
         return self
 
+    def _fence_variables(self) -> Any:
+        # The inner update's writes that read no gradient: its counters
+        # (`iterations += 1`; scalars) and weight decay (the model's
+        # variables). Its slots are written from the gradient, and an EMA
+        # from the variables after their update.
+        return lambda: [*(v for v in self.inner_optimizer.variables if len(v.shape) == 0), *self._build_order]
+
     def _install_gates(self, gates: dict) -> Any:
         return compat.install_gates(self.inner_optimizer, self._build_order, gates, self._gate_cond())
 

@@ -69,9 +69,19 @@ class Traced:
     def cond_waits_for(self) -> tuple:
         """(op types that write a variable, and the gradients among the
         cond's inputs) that the cond waits for: its predicate's and its
-        control inputs' ancestors."""
+        control inputs' ancestors, read as TensorFlow runs a lowered
+        ``cond`` (XLA off): an earlier ``cond`` among them (Keras 2's and
+        legacy's restored-position check) is waited for through its
+        predicate and control inputs only (its result is ready when its
+        taken branch ends; what only its other branch uses is not waited
+        for)."""
+        def lowered(op) -> list:
+            if op.type in ("If", "StatelessIf"):
+                return [op.inputs[0].op, *op.control_inputs]
+            return parents(op)
+
         waited = [self.cond.inputs[0].op, *self.cond.control_inputs]
-        found = set(waited).union(*(ancestors(op) for op in waited))
+        found = set(waited) | closure(waited, lowered)
         writes = sorted({a.type for a in found if any(w in a.type for w in WRITES)})
         gradients = [i for i in self.gradient_inputs if self.cond.inputs[1 + i].op in found]
         return writes, gradients
@@ -123,6 +133,21 @@ class Traced:
             first = min(divisions, key=lambda op: len(ancestors(op)))
             waits.append(sorted(gradients[a] for a in ancestors(first) if a in gradients))
         return waits
+
+
+def own_and_guard(waits: list) -> tuple | None:
+    """``(guard, own)`` where the gradients each window gradient waits for
+    (``waits``, :meth:`Traced.window_gradients_wait_for`) are its own and
+    one guard, the same for all, which is the last window's own gradient
+    (``own``: each window's own, all distinct); else ``None``."""
+    if not waits or len(waits[-1]) != 1:
+        return None
+    [guard] = waits[-1]
+    own = [sorted(set(w) - {guard}) for w in waits[:-1]]
+    if any(guard not in w or len(o) != 1 for w, o in zip(waits, own)):
+        return None
+    own = [o[0] for o in own] + [guard]
+    return (guard, own) if len(set(own)) == len(own) else None
 
 
 def micro_step_ops(graph, branch: str = "else_branch") -> list:
