@@ -50,11 +50,12 @@ def branch_graph(graph, cond, branch: str, library: dict | None = None):
 
 
 class Traced:
-    """A traced train step's ``graph`` and its window ``cond`` (the one
-    top-level ``cond`` that takes gradients: the one that picks update
+    """A traced train step's ``graph`` and its window ``cond`` (the
+    top-level ``cond`` that takes the gradients: the one that picks update
     micro-steps; Keras 2 and legacy wrappers run another before it, which
-    derives a restored window's position), for a ``model`` whose gradients
-    are that cond's inputs computed from the step's inputs."""
+    derives a restored window's position and takes one gradient, the
+    guard), for a ``model`` whose gradients are that cond's inputs computed
+    from the step's inputs."""
 
     def __init__(self, graph, model) -> None:
         self.model, self.graph = model, graph
@@ -63,7 +64,8 @@ class Traced:
         conds = [op for op in self.graph.get_operations() if op.type in ("If", "StatelessIf")]
         # A cond's inputs computed from the step's inputs: the gradients.
         taking = {c: [i for i, t in enumerate(c.inputs[1:]) if t.op in self.from_inputs] for c in conds}
-        [self.cond] = [c for c in conds if taking[c]]
+        # (Keras 2's and legacy's restored-position check takes one: the guard.)
+        self.cond = max((c for c in conds if taking[c]), key=lambda c: len(taking[c]))
         self.gradient_inputs = taking[self.cond]
 
     def cond_waits_for(self) -> tuple:
