@@ -231,7 +231,13 @@ class Backend(Protocol):
 
     def after(self, values: Any) -> ContextManager[Any]:
         """A context in which every op made runs after the ops and tensors
-        among ``values`` (nested; ``None`` and others ignored)."""
+        among ``values`` (nested; ``None`` and others ignored).
+
+        A backend may also have ``fence(values) -> bool``: make every later
+        write of the variables the inner update may write run after
+        ``values``, and none of its reads; ``False`` where it cannot (then
+        the whole inner update runs in ``after(values)``). See
+        :func:`accum_optimizer.core.window.apply_window`."""
 
     # -- values
     def read(self, variable: Any) -> Any:

@@ -299,6 +299,8 @@ def close_window(
     ``window_weight``, with no reduction.
     """
 
+    guarded = guard(grads) if grads is not None else []
+
     def drop() -> Any:
         return discard_window(b, state, sparse, replicas, count_skipped=False)
 
@@ -317,8 +319,6 @@ def close_window(
         )
         with b.after([applied, *guarded]):
             return restart_window(b, state)
-
-    guarded = guard(grads) if grads is not None else []
 
     if rules.nonfinite != "skip_window":
         ended = update_or_drop()
@@ -404,13 +404,14 @@ def apply_window(
         window.append(b.cast_gradient(value, dtypes[i]))
     received = b.read(state.grad_received) if not all(mask) else None
     gates = {i: b.greater(received[i], 0) for i, m in enumerate(mask) if not m}
+    guarded = guard(grads)
     fence = getattr(b, "fence", None)
-    if fence is not None and fence(guard(grads)):
+    if fence is not None and fence(guarded):
         applied = b.apply_inner(window, gates)
     else:
-        with b.after(guard(grads)):
+        with b.after(guarded):
             applied = b.apply_inner(window, gates)
-    with b.after([applied, *written, *guard(grads)]):
+    with b.after([applied, *written, *guarded]):
         return reset(b, state, rows)
 
 

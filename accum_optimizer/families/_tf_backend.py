@@ -267,10 +267,9 @@ class TF2Backend(TFBackend):
         variable after. ``False`` (nothing done) where there is nothing to
         wait for or no such ordering (no ``fence_variables``; a
         ``tf.compat.v1`` graph, :class:`TF2GraphBackend`)."""
-        deps = control_inputs(after)
-        if self._fence_variables is None or not deps or not tf.inside_function():
+        if self._fence_variables is None or not control_inputs(after) or not tf.inside_function():
             return False
-        with tf.control_dependencies(within_graph(deps)):
+        with self.after(after):
             for variable in self._fence_variables():
                 tf_variable(variable).value()
         return True
@@ -366,11 +365,11 @@ def within_graph(deps: list) -> list:
         return deps
     inner, outer = [], []
     for d in deps:
-        if isinstance(d, tf.Tensor) and _graph_of(d) is not graph:
-            if _graph_of(d) is not None:  # (an eager tensor: nothing to wait for)
-                outer.append(d)
-        else:
+        home = _graph_of(d) if isinstance(d, tf.Tensor) else graph
+        if home is graph:
             inner.append(d)
+        elif home is not None:  # (an eager tensor has none: nothing to wait for)
+            outer.append(d)
     return inner + ([tf.identity_n(outer)[0].op] if outer else [])
 
 
